@@ -1,0 +1,1 @@
+"""Checkpoints: Hugging Face export (distributed checkpoints are a later issue)."""

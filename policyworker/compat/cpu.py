@@ -1,0 +1,250 @@
+"""CPU shims for megatron-core 0.19 (gloo, no CUDA).
+
+megatron-core assumes CUDA in a few places that our code paths reach:
+
+* `device="cuda"` literals and `torch.cuda.current_device()` used as a device (RoPE, the
+  DDP grad buffers, the pipeline schedules, grad clipping, the optimizers);
+* `torch.cuda.synchronize` / streams / events / `torch.cuda.manual_seed`;
+* the CUDA RNG tracker's get/set of the CUDA generator state;
+* `tensor.type() == "torch.cuda.FloatTensor"` checks in grad clipping and the fp16/bf16
+  optimizer.
+
+Rather than patching torch itself, each affected megatron module gets its own `torch` name bound to
+a proxy that forwards everything to torch except CUDA devices, which it maps to the CPU. Functions
+that test type strings are replaced with CPU versions. Everything here is a no-op when CUDA is
+available, and asserts the megatron-core version it was written against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+SUPPORTED_MCORE_PREFIX = "0.19."
+
+# megatron modules whose `torch` global is swapped for the CPU proxy.
+_PROXIED_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.gpt.gpt_model",
+    "megatron.core.transformer.utils",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.transformer_layer",
+    "megatron.core.transformer.transformer_block",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer_param_scheduler",
+    "megatron.core.utils",
+)
+
+_active = False
+
+
+def cpu_patches_active() -> bool:
+    """Whether `apply_cpu_patches` has installed the shims in this process."""
+    return _active
+
+
+def _to_cpu_device(device: Any) -> Any:
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+def _cpu_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def wrapped(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream / Event: CPU work is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NullStream:
+        return self
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cuda_namespace() -> types.SimpleNamespace:
+    """What megatron reads from `torch.cuda`, answered for the CPU."""
+    return types.SimpleNamespace(
+        is_available=lambda: False,
+        current_device=lambda: torch.device("cpu"),
+        device_count=lambda: 0,
+        synchronize=lambda *a, **k: None,
+        empty_cache=lambda: None,
+        manual_seed=torch.manual_seed,
+        Stream=_NullStream,
+        Event=_NullStream,
+        current_stream=lambda *a, **k: _NullStream(),
+        default_stream=lambda *a, **k: _NullStream(),
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        nvtx=types.SimpleNamespace(range_push=lambda *a, **k: None, range_pop=lambda: None),
+        memory_allocated=lambda *a, **k: 0,
+        max_memory_allocated=lambda *a, **k: 0,
+        is_current_stream_capturing=lambda: False,
+        get_rng_state=lambda *a, **k: torch.get_rng_state(),
+        set_rng_state=lambda state, *a, **k: torch.set_rng_state(state),
+        graphs=types.SimpleNamespace(is_current_stream_capturing=lambda: False),
+        random=types.SimpleNamespace(get_rng_state=lambda *a, **k: torch.get_rng_state()),
+        FloatTensor=torch.FloatTensor,
+        IntTensor=torch.IntTensor,
+        LongTensor=torch.LongTensor,
+        BoolTensor=torch.BoolTensor,
+    )
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch`, as seen by a megatron module on CPU: CUDA devices become the CPU."""
+
+    _FACTORIES = (
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "arange",
+        "randn",
+        "rand",
+        "zeros_like",
+    )
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _cuda_namespace()
+        for name in self._FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_clip_grad_by_total_norm_fp32(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    total_norm: float,
+    use_decoupled_grad: bool = False,
+) -> None:
+    """megatron's version asserts `grad.type() == 'torch.cuda.FloatTensor'`; same math here."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if isinstance(clip_coeff, torch.Tensor):
+        clip_coeff = clip_coeff.clamp_max(1.0)
+        for g in grads:
+            g.mul_(clip_coeff)
+    elif clip_coeff < 1.0:
+        for g in grads:
+            g.mul_(clip_coeff)
+
+
+@contextlib.contextmanager
+def _cuda_type_strings() -> Iterator[None]:
+    """Let `tensor.type()` report CUDA type names while a megatron optimizer is built on CPU.
+
+    Float16OptimizerWithFloat16Params sorts params by `param.type()` strings; on CPU those lack the
+    `.cuda` part and it raises. Scoped to that constructor only.
+    """
+    original = torch.Tensor.type
+
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(result, str) and ".cuda." not in result:
+            return result.replace("torch.", "torch.cuda.", 1)
+        return result
+
+    torch.Tensor.type = cuda_type  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original  # type: ignore[method-assign]
+
+
+def _wrap_init_with_cuda_type_strings(cls: type) -> None:
+    original_init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        with _cuda_type_strings():
+            original_init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+
+
+def apply_cpu_patches() -> bool:
+    """Install the CPU shims if CUDA is absent. Idempotent; returns whether they are active."""
+    global _active
+    if _active:
+        return True
+    if torch.cuda.is_available():
+        return False
+    import megatron.core
+
+    version = megatron.core.__version__
+    if not version.startswith(SUPPORTED_MCORE_PREFIX):
+        raise RuntimeError(
+            f"policyworker.compat.cpu targets megatron-core {SUPPORTED_MCORE_PREFIX}x, "
+            f"found {version}: re-check each shim against that version"
+        )
+    proxy = _CpuTorch()
+    for name in _PROXIED_MODULES:
+        module = importlib.import_module(name)
+        module.torch = proxy  # type: ignore[attr-defined]
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._get_cuda_rng_state = _cpu_get_rng_state
+    random._set_cuda_rng_state = _cpu_set_rng_state
+
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    _wrap_init_with_cuda_type_strings(optimizer.Float16OptimizerWithFloat16Params)
+    _active = True
+    return True

@@ -1,0 +1,265 @@
+"""Configs: keyword-only dataclasses, every field documented, loadable from YAML with dotted overrides.
+
+    cfg = PolicyConfig(model_name="/ckpt/llama")                   # every other field defaults
+    cfg = load_config("policy.yaml", ["optimizer.lr=1e-6", "precision=bfloat16"])
+
+Invalid values raise `ValueError` naming the field (dotted path) and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def _check(ok: bool, name: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """Adam(W) through megatron-core's `get_megatron_optimizer`."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the learning rate for the linear/cosine decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW)."""
+
+    def validate(self, prefix: str = "optimizer") -> None:
+        _check(self.lr > 0, f"{prefix}.lr", "> 0", self.lr)
+        _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", "in [0, lr]", self.min_lr)
+        _check(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"{prefix}.betas",
+            "two values in [0, 1)",
+            self.betas,
+        )
+        _check(self.eps > 0, f"{prefix}.eps", "> 0", self.eps)
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", ">= 0", self.weight_decay)
+
+
+@dataclass(kw_only=True, slots=True)
+class SchedulerConfig:
+    """Learning-rate schedule; one step per `train()` call (megatron's OptimizerParamScheduler)."""
+
+    style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up: none, linear to `min_lr`, or cosine to `min_lr`."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from 0 to `lr`."""
+    decay_steps: int = 1000
+    """Steps (warm-up included) over which linear/cosine decay reaches `min_lr`."""
+
+    def validate(self, prefix: str = "scheduler") -> None:
+        styles = ("constant", "linear", "cosine")
+        _check(self.style in styles, f"{prefix}.style", f"one of {styles}", self.style)
+        _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", ">= 0", self.warmup_steps)
+        _check(
+            self.decay_steps > self.warmup_steps,
+            f"{prefix}.decay_steps",
+            "> warmup_steps",
+            self.decay_steps,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Megatron parallel sizes; the data-parallel size is what remains of the world."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel (TP) size."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel (PP) size."""
+    context_parallel_size: int = 1
+    """Context parallel (CP) size."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel (EP) size (MoE models)."""
+
+    def validate(self, prefix: str = "parallel") -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            _check(
+                isinstance(value, int) and value >= 1, f"{prefix}.{f.name}", "an int >= 1", value
+            )
+
+
+@dataclass(kw_only=True, slots=True)
+class SequencePackingConfig:
+    """Packing of variable-length sequences into THD bins (no padding between sequences)."""
+
+    enabled: bool = False
+    """Pack micro-batches instead of padding them."""
+    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
+    """Bin-packing algorithm."""
+    make_sequence_length_divisible_by: int = 1
+    """Each packed sequence is padded to a multiple of this (2*CP, times TP with sequence parallel)."""
+
+    def validate(self, prefix: str = "sequence_packing") -> None:
+        _check(
+            self.algorithm == "first_fit_decreasing",
+            f"{prefix}.algorithm",
+            "'first_fit_decreasing'",
+            self.algorithm,
+        )
+        _check(
+            self.make_sequence_length_divisible_by >= 1,
+            f"{prefix}.make_sequence_length_divisible_by",
+            ">= 1",
+            self.make_sequence_length_divisible_by,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    """Everything a `MegatronPolicyWorker` needs. Only `model_name` has no default."""
+
+    model_name: str
+    """Hugging Face checkpoint folder (config.json + safetensors)."""
+    precision: Literal["float32", "bfloat16"] = "bfloat16"
+    """Parameter and compute dtype. Optimizer state and grad reduction are fp32 either way."""
+    train_global_batch_size: int = 32
+    """Sequences per optimizer step (over all data-parallel ranks)."""
+    train_micro_batch_size: int = 4
+    """Sequences per forward/backward on one rank; gradients accumulate over micro-batches."""
+    logprob_batch_size: int = 8
+    """Sequences per forward in `get_logprobs` / `get_topk_logits`."""
+    max_total_sequence_length: int = 2048
+    """Longest prompt + response a batch may hold."""
+    temperature: float = 1.0
+    """Generation temperature: logits are divided by it before logprobs, top-k and the loss."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    seed: int = 42
+    """Seed for torch and megatron's RNG tracker."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Adam settings."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Learning-rate schedule."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Megatron parallel sizes."""
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    """Sequence packing."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check(
+            isinstance(self.model_name, str) and bool(self.model_name),
+            "model_name",
+            "a folder path",
+            self.model_name,
+        )
+        precisions = ("float32", "bfloat16")
+        _check(self.precision in precisions, "precision", f"one of {precisions}", self.precision)
+        for name in (
+            "train_global_batch_size",
+            "train_micro_batch_size",
+            "logprob_batch_size",
+            "max_total_sequence_length",
+        ):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+        _check(
+            self.train_global_batch_size % self.train_micro_batch_size == 0,
+            "train_global_batch_size",
+            f"a multiple of train_micro_batch_size={self.train_micro_batch_size}",
+            self.train_global_batch_size,
+        )
+        _check(self.temperature > 0, "temperature", "> 0", self.temperature)
+        _check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0", self.max_grad_norm)
+        self.optimizer.validate()
+        self.scheduler.validate()
+        self.parallel.validate()
+        self.sequence_packing.validate()
+
+
+# --- YAML and dotted overrides -------------------------------------------------------------------
+
+
+def _convert(tp: Any, value: Any, name: str) -> Any:
+    """Coerce a YAML value to the annotated field type (nested dataclasses, tuples, numbers)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        _check(isinstance(value, dict), name, "a mapping", value)
+        return from_dict(tp, value, prefix=f"{name}.")
+    if origin is tuple:
+        _check(isinstance(value, list | tuple), name, "a list", value)
+        return tuple(_convert(t, v, name) for t, v in zip(typing.get_args(tp), value, strict=False))
+    if origin is Literal:
+        return value
+    if origin in (types.UnionType, typing.Union):
+        return value
+    if tp is float and isinstance(value, int | float | str) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name}: expected a number, got {value!r}") from None
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def from_dict[T](cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
+    """Build dataclass `cls` from a (nested) dict; an unknown key is a `ValueError`."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown field; known: {', '.join(sorted(names))}")
+    kwargs = {k: _convert(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a nested dict, in place."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: expected key.path=value")
+        node = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p} is not a section")
+        node[leaf] = yaml.safe_load(raw)
+    return data
+
+
+def load_config[T](
+    path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = PolicyConfig
+) -> T:
+    """Read a YAML file (or nothing), apply dotted overrides, build and validate `cls`."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+    apply_overrides(data, overrides or [])
+    return from_dict(cls, data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain YAML-able data."""
+    return _tuples_to_lists(dataclasses.asdict(cfg))
+
+
+def _tuples_to_lists(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _tuples_to_lists(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_tuples_to_lists(v) for v in x]
+    return x

@@ -1,0 +1,98 @@
+"""The batch contract (REFERENCE.md), checked before any work or state change.
+
+Per-sample fields are `[B]`, per-token fields `[B, S]` aligned with `input_ids` (right-padded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+PER_TOKEN_FLOAT = (
+    "advantages",
+    "prev_logprobs",
+    "generation_logprobs",
+    "reference_policy_logprobs",
+)
+PER_TOKEN_MASK = ("token_mask",)
+PER_SAMPLE = ("sample_mask",)
+_MUST_BE_FINITE = ("advantages", "token_mask", "sample_mask")
+
+
+class BatchValidationError(ValueError):
+    """A batch breaks the contract: the message names the field and what was expected."""
+
+
+def _fail(field: str, expected: str, got: str) -> None:
+    raise BatchValidationError(f"batch field {field!r}: expected {expected}, got {got}")
+
+
+def validate_batch(
+    data: Any,
+    *,
+    required: Iterable[str],
+    max_seq_len: int,
+    vocab_size: int,
+) -> tuple[int, int]:
+    """Check `data` against the contract; returns (B, S). Raises `BatchValidationError`."""
+    if not isinstance(data, dict):
+        raise BatchValidationError(f"batch: expected a BatchedDataDict, got {type(data).__name__}")
+    keys = {"input_ids", "input_lengths", *required}
+    missing = sorted(k for k in keys if k not in data)
+    if missing:
+        raise BatchValidationError(
+            f"batch is missing required field(s) {missing}; has {sorted(data)}"
+        )
+    ids = data["input_ids"]
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        _fail("input_ids", "a 2-D integer tensor [B, S]", _describe(ids))
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        _fail("input_ids", "an integer dtype", str(ids.dtype))
+    b, s = ids.shape
+    if b == 0 or s == 0:
+        _fail("input_ids", "a non-empty [B, S]", str(tuple(ids.shape)))
+    if s > max_seq_len:
+        _fail("input_ids", f"sequence length <= max_total_sequence_length={max_seq_len}", f"S={s}")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        _fail(
+            "input_ids",
+            f"token ids in [0, {vocab_size})",
+            f"range [{int(ids.min())}, {int(ids.max())}]",
+        )
+    lengths = data["input_lengths"]
+    _check_shape("input_lengths", lengths, (b,), integer=True)
+    if int(lengths.min()) < 1 or int(lengths.max()) > s:
+        _fail(
+            "input_lengths",
+            f"values in [1, S={s}]",
+            f"range [{int(lengths.min())}, {int(lengths.max())}]",
+        )
+    for key in keys:
+        if key in PER_TOKEN_FLOAT or key in PER_TOKEN_MASK:
+            _check_shape(key, data[key], (b, s), integer=False)
+        elif key in PER_SAMPLE:
+            _check_shape(key, data[key], (b,), integer=False)
+    for key in PER_TOKEN_FLOAT:
+        if key in keys and not data[key].dtype.is_floating_point:
+            _fail(key, "a floating-point dtype", str(data[key].dtype))
+    return b, s
+
+
+def _check_shape(key: str, value: Any, shape: tuple[int, ...], *, integer: bool) -> None:
+    if not isinstance(value, torch.Tensor):
+        _fail(key, f"a tensor of shape {list(shape)}", _describe(value))
+    if tuple(value.shape) != shape:
+        _fail(key, f"shape {list(shape)}", str(list(value.shape)))
+    if integer and (value.dtype.is_floating_point or value.dtype == torch.bool):
+        _fail(key, "an integer dtype", str(value.dtype))
+    # Logprobs may legitimately be -inf (e.g. a generator's filtered token); the rest may not.
+    if key in _MUST_BE_FINITE and not torch.isfinite(value.float()).all():
+        _fail(key, "finite values", "NaN or inf")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)} {value.dtype}"
+    return type(value).__name__

@@ -1,0 +1,144 @@
+"""Build a megatron-core GPTModel for a Hugging Face dense decoder.
+
+All model construction lives here (GPTModel is deprecated in mcore 0.19; a switch stays local).
+The layer spec is megatron's own modules (SelfAttention, MLP, Column/RowParallelLinear) with our
+SDPA core attention and HF-exact RMSNorm, so no Transformer Engine is needed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from policyworker.model.attention import SDPACoreAttention
+from policyworker.model.hf_config import ModelShape, rope_inv_freq
+from policyworker.model.norm import RMSNorm
+from policyworker.parallel.dims import ParallelDims
+
+
+def transformer_config(
+    shape: ModelShape, *, dims: ParallelDims, params_dtype: torch.dtype, on_gpu: bool
+) -> TransformerConfig:
+    """megatron's TransformerConfig for `shape`; fusions that need apex/TE are off."""
+    bf16 = params_dtype == torch.bfloat16
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        layernorm_epsilon=shape.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.arch.qkv_bias,
+        qk_layernorm=shape.arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=bf16,
+        pipeline_dtype=params_dtype,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+        sequence_parallel=False,
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,  # weights always come from the HF checkpoint
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        # Loss is already normalized by global token counts: DDP must sum, not average.
+        calculate_per_token_loss=True,
+    )
+
+
+def layer_spec(*, qk_norm: bool, num_layers: int) -> TransformerBlockSubmodules:
+    """`num_layers` dense pre-norm decoder layers of megatron modules, plus the final norm."""
+    qk = RMSNorm if qk_norm else IdentityOp
+    layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=SDPACoreAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=qk,
+                    k_layernorm=qk,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=partial(
+                MLP.as_mlp_submodule,
+                submodules=MLPSubmodules(
+                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
+
+
+def build_gpt_model(
+    hf_config: Any,
+    shape: ModelShape,
+    *,
+    dims: ParallelDims,
+    params_dtype: torch.dtype,
+    max_seq_len: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+) -> GPTModel:
+    """A GPTModel with this rank's shard of `shape`, on the current device, weights unset."""
+    on_gpu = torch.cuda.is_available()
+    config = transformer_config(shape, dims=dims, params_dtype=params_dtype, on_gpu=on_gpu)
+    # This pipeline stage's share of the layers, as megatron splits them.
+    spec = layer_spec(qk_norm=shape.arch.qk_norm, num_layers=get_num_layers_to_build(config))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=shape.vocab_size,
+        max_sequence_length=max(max_seq_len, shape.max_position_embeddings),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=shape.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=10000,  # replaced below by HF's exact frequencies
+    )
+    # HF's frequencies (incl. llama3 scaling with its own low/high factors), not megatron's.
+    inv_freq = rope_inv_freq(hf_config, shape.head_dim)
+    if model.rotary_pos_emb is not None:
+        device = "cuda" if on_gpu else "cpu"
+        model.rotary_pos_emb.inv_freq = inv_freq.to(device)
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,150 @@
+"""Hugging Face config -> what megatron needs: the architecture table and RoPE frequencies.
+
+One row per supported `architectures[0]`. Adding a dense decoder is a row here plus, if its
+weight names differ, a row in `weights.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's architecture or one of its options is not supported."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArchSpec:
+    """Architecture features that change the megatron model or the weight layout."""
+
+    qkv_bias: bool
+    """Whether q/k/v projections carry a bias."""
+    qk_norm: bool
+    """Whether queries and keys are RMS-normalized per head before RoPE (Qwen3)."""
+
+
+def _attention_bias(cfg: Any) -> bool:
+    return bool(getattr(cfg, "attention_bias", False))
+
+
+# Each entry reads the flags from the HF config (Llama and Qwen3 make bias optional).
+ARCHITECTURES: dict[str, Any] = {
+    "LlamaForCausalLM": lambda c: ArchSpec(qkv_bias=_attention_bias(c), qk_norm=False),
+    "MistralForCausalLM": lambda c: ArchSpec(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": lambda c: ArchSpec(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": lambda c: ArchSpec(qkv_bias=_attention_bias(c), qk_norm=True),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The dimensions of a dense decoder, read once from the HF config."""
+
+    architecture: str
+    arch: ArchSpec
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def model_shape(hf_config: Any) -> ModelShape:
+    """Validate an HF config and read its dimensions. Raises `UnsupportedModelError`."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    name = archs[0] if archs else ""
+    if name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model architecture {name or '(none)'!r} is not supported; "
+            f"supported: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(
+            f"hidden_act {hf_config.hidden_act!r}: only 'silu' is supported"
+        )
+    if getattr(hf_config, "mlp_bias", False):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelShape(
+        architecture=name,
+        arch=ARCHITECTURES[name](hf_config),
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        max_position_embeddings=hf_config.max_position_embeddings,
+    )
+
+
+def check_sliding_window(hf_config: Any, max_seq_len: int) -> None:
+    """Sliding-window attention is not implemented: refuse sequences that would need it."""
+    window = getattr(hf_config, "sliding_window", None)
+    enabled = getattr(hf_config, "use_sliding_window", True)
+    if window is not None and enabled and window < max_seq_len:
+        raise UnsupportedModelError(
+            f"sliding_window={window} is smaller than max_total_sequence_length={max_seq_len}; "
+            "sliding-window attention is not supported"
+        )
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """RoPE settings as transformers >= 5 spells them (`rope_parameters`), also from 4.x configs."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    scaling["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    return scaling
+
+
+def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2], fp32, for the 'default' and 'llama3' rope types."""
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", "default")
+    base = float(params["rope_theta"])
+    partial = float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "llama3":
+        return _llama3_scaling(inv_freq, params)
+    raise UnsupportedModelError(
+        f"rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+    )
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent interpolation: long wavelengths slowed by `factor`."""
+    factor = float(params["factor"])
+    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)

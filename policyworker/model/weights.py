@@ -1,0 +1,214 @@
+"""Hugging Face <-> megatron weight names and layouts, and safetensors I/O.
+
+The table is explicit: one mapping object per megatron parameter, naming the HF tensors it is made
+of. Three layouts exist:
+
+* `Copy`: same tensor (norms, embeddings, o_proj, down_proj, lm_head);
+* `QKV`: q/k/v projections fused per query group, the layout megatron's `linear_qkv` uses:
+  for each of the `ng` groups, `[q heads of the group, k, v]` stacked along dim 0;
+* `GateUp`: `linear_fc1 = [gate; up]`.
+
+Each mapping converts full (unsharded) tensors both ways, exactly (export(import(w)) == w), and
+cuts or joins tensor-parallel shards. Export is an iterator of (hf_name, tensor) so that a refit
+transport or a safetensors writer can consume it without knowing the layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from policyworker.model.hf_config import ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One HF tensor is one megatron tensor; `tp_dim` is the dim split by TP (None: replicated)."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    tp_dim: int | None
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        return tensors[0]
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [tensor]
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        if self.tp_dim is None or size == 1:
+            return full
+        return full.chunk(size, dim=self.tp_dim)[rank]
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        return torch.cat(shards, dim=self.tp_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class QKV(Copy):
+    """q, k, v projections (weight [*, hidden] or bias [*]) fused per query group."""
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        q, k, v = tensors
+        ng, hd = shape.num_kv_heads, shape.head_dim
+        rest = q.shape[1:]
+        q = q.reshape(ng, shape.heads_per_group * hd, *rest)
+        k = k.reshape(ng, hd, *rest)
+        v = v.reshape(ng, hd, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        ng, hd, hpg = shape.num_kv_heads, shape.head_dim, shape.heads_per_group
+        rest = tensor.shape[1:]
+        grouped = tensor.reshape(ng, (hpg + 2) * hd, *rest)
+        q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
+        return [x.reshape(-1, *rest) for x in (q, k, v)]
+
+    # Groups are contiguous along dim 0, so TP shards are plain chunks (tp_dim=0).
+
+
+@dataclass(frozen=True, slots=True)
+class GateUp(Copy):
+    """`linear_fc1 = [gate; up]`; each TP rank holds `[gate_r; up_r]`."""
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        return torch.cat(tensors, dim=0)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return list(tensor.chunk(2, dim=0))
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+Mapping = Copy | QKV | GateUp
+
+
+def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    attn = f"{h}self_attn."
+    out: list[Mapping] = [
+        Copy(m + "input_layernorm.weight", (h + "input_layernorm.weight",), None),
+        QKV(
+            m + "self_attention.linear_qkv.weight",
+            tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
+            0,
+        ),
+    ]
+    if shape.arch.qkv_bias:
+        out.append(
+            QKV(
+                m + "self_attention.linear_qkv.bias",
+                tuple(f"{attn}{p}_proj.bias" for p in "qkv"),
+                0,
+            )
+        )
+    if shape.arch.qk_norm:
+        out += [
+            Copy(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), None),
+            Copy(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), None),
+        ]
+    out += [
+        Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1),
+        Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
+        GateUp(
+            m + "mlp.linear_fc1.weight",
+            (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+            0,
+        ),
+        Copy(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), 1),
+    ]
+    return out
+
+
+def mappings(shape: ModelShape) -> list[Mapping]:
+    """Every megatron parameter of the full model with its HF sources, in HF file order."""
+    table: list[Mapping] = [
+        Copy("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), 0)
+    ]
+    for i in range(shape.num_layers):
+        table += _layer_mappings(i, shape)
+    table.append(Copy("decoder.final_layernorm.weight", ("model.norm.weight",), None))
+    if not shape.tie_word_embeddings:
+        table.append(Copy("output_layer.weight", ("lm_head.weight",), 0))
+    return table
+
+
+class SafetensorsReader:
+    """Reads named tensors from a HF folder: `model.safetensors` or a sharded index."""
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        index = folder / "model.safetensors.index.json"
+        single = folder / "model.safetensors"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            self._files = {name: folder / f for name, f in weight_map.items()}
+        elif single.exists():
+            with safe_open(single, framework="pt") as f:
+                self._files = {name: single for name in f.keys()}  # noqa: SIM118
+        else:
+            raise FileNotFoundError(
+                f"{folder}: no model.safetensors or model.safetensors.index.json"
+            )
+
+    def names(self) -> set[str]:
+        return set(self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._files:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        with safe_open(self._files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def load_hf_weights(
+    params: dict[str, torch.nn.Parameter],
+    reader: SafetensorsReader,
+    shape: ModelShape,
+    *,
+    tp_rank: int,
+    tp_size: int,
+) -> None:
+    """Copy HF tensors into this rank's megatron parameters (`named_parameters` of a GPTModel).
+
+    Parameters absent from `params` (other pipeline stages) are skipped; a megatron parameter
+    with no mapping, or a shape mismatch, is an error.
+    """
+    table = {m.mcore: m for m in mappings(shape)}
+    unmapped = sorted(set(params) - set(table))
+    if unmapped:
+        raise KeyError(f"no HF mapping for megatron parameters: {unmapped[:5]}")
+    for name, param in params.items():
+        m = table[name]
+        full = m.to_mcore([reader.get(n) for n in m.hf], shape)
+        local = m.shard(full, tp_rank, tp_size)
+        if local.shape != param.shape:
+            raise ValueError(
+                f"{name}: checkpoint gives {tuple(local.shape)}, model has {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(local.to(param.dtype))
+
+
+def export_hf_weights(
+    params: dict[str, torch.Tensor], shape: ModelShape
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) for the full, unsharded megatron parameters given (TP=1, one stage)."""
+    for m in mappings(shape):
+        if m.mcore not in params:
+            continue
+        tensor = params[m.mcore].detach()
+        yield from zip(m.hf, m.to_hf(tensor, shape), strict=True)

@@ -1,0 +1,127 @@
+"""Parallel layout: the sizes, explicit, and the one place megatron's `parallel_state` is set up.
+
+Ranks are laid out as megatron orders them (tp fastest, then cp, then dp, then pp), which is the
+named mesh `[pp, dp, cp, tp]` of REFERENCE.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelDims:
+    """Sizes of each parallel axis. `dp` is derived: world / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @classmethod
+    def from_world(cls, *, world_size: int, tp: int, pp: int, cp: int, ep: int) -> ParallelDims:
+        model_parallel = tp * pp * cp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}"
+            )
+        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(*, timeout_s: float = 600.0) -> None:
+    """Start torch.distributed if nobody has: gloo on CPU, NCCL on GPU, single process by default.
+
+    torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) are honoured.
+    """
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    log.info("torch.distributed up: backend=%s rank=%d world=%d", backend, rank, world)
+
+
+def init_model_parallel(dims: ParallelDims) -> None:
+    """Create megatron's process groups for `dims` (once per process; a mismatch is an error)."""
+    from megatron.core import parallel_state
+
+    if dims.world_size != dist.get_world_size():
+        raise ValueError(
+            f"parallel layout {dims} needs {dims.world_size} ranks, world has {dist.get_world_size()}"
+        )
+    if parallel_state.model_parallel_is_initialized():
+        current = ParallelDims(
+            tp=parallel_state.get_tensor_model_parallel_world_size(),
+            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+            cp=parallel_state.get_context_parallel_world_size(),
+            ep=parallel_state.get_expert_model_parallel_world_size(),
+            dp=parallel_state.get_data_parallel_world_size(),
+        )
+        if current != dims:
+            raise ValueError(f"megatron is already initialized with {current}, asked for {dims}")
+        return
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """This rank's process groups and coordinates, read from megatron once."""
+
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    mp: dist.ProcessGroup
+    tp_rank: int
+    dp_rank: int
+    is_first_stage: bool
+    is_last_stage: bool
+
+    @classmethod
+    def current(cls) -> Groups:
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_group(),
+            dp=ps.get_data_parallel_group(with_context_parallel=True),
+            mp=ps.get_model_parallel_group(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            is_first_stage=ps.is_pipeline_first_stage(),
+            is_last_stage=ps.is_pipeline_last_stage(),
+        )

@@ -1,0 +1,194 @@
+"""Micro-batched forward (and backward) through megatron's pipeline schedules.
+
+`run_microbatches` is the one place that calls `get_forward_backward_func()`: inference
+(`get_logprobs`, top-k) and training both go through it, so pipeline parallelism slots in
+without a second code path. `train_global_batch` adds the global normalization, the non-finite
+check, the optimizer and the scheduler step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.losses.common import LossFunction, global_counts
+from policyworker.ops.logprobs import token_logprobs, vocab_parallel_entropy
+from policyworker.parallel.dims import Groups
+from policyworker.train.optimizer import grads_are_finite
+
+log = logging.getLogger(__name__)
+
+# (logits [B, S, V/tp], micro-batch) -> (loss scalar, metrics); loss is ignored when forward-only.
+MicrobatchFn = Callable[
+    [torch.Tensor, BatchedDataDict], tuple[torch.Tensor, dict[str, torch.Tensor]]
+]
+
+
+def trim_to_longest(mb: BatchedDataDict) -> BatchedDataDict:
+    """Drop the all-padding tail of a micro-batch (per-token fields [B, S] are cut to max length)."""
+    seq = mb["input_ids"].shape[1]
+    longest = int(mb["input_lengths"].max())
+    if longest == seq:
+        return mb
+    return BatchedDataDict(
+        {
+            k: v[:, :longest]
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq
+            else v
+            for k, v in mb.items()
+        }
+    )
+
+
+def run_microbatches(
+    model: torch.nn.Module,
+    microbatches: list[BatchedDataDict],
+    fn: MicrobatchFn,
+    *,
+    forward_only: bool,
+) -> list[dict[str, torch.Tensor]]:
+    """Run `fn` on each micro-batch's logits via megatron's schedule; returns its metrics dicts."""
+    it: Iterator[BatchedDataDict] = iter(microbatches)
+
+    def forward_step(data_iterator: Iterator[BatchedDataDict], model: torch.nn.Module) -> Any:
+        mb = next(data_iterator)
+        ids = mb["input_ids"]
+        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        logits = model(ids, pos, None)  # [B, S, V/tp] on the last stage
+
+        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+            loss, metrics = fn(output, mb)
+            # 3-tuple form: megatron neither divides by micro-batch count nor token count.
+            return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
+
+        return logits, loss_func
+
+    seq = max(mb["input_ids"].shape[1] for mb in microbatches)
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=it,
+        model=[model],
+        num_microbatches=len(microbatches),
+        seq_length=seq,
+        micro_batch_size=microbatches[0].size,
+        forward_only=forward_only,
+    )
+
+
+def sum_metrics(
+    stores: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> dict[str, float]:
+    """Sum each metric over micro-batches and data-parallel ranks (they are globally normalized)."""
+    if not stores:
+        return {}
+    keys = sorted(stores[0])
+    stacked = torch.stack(
+        [torch.stack([s[k].float().reshape(()) for k in keys]) for s in stores]
+    ).sum(0)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+    return dict(zip(keys, stacked.tolist(), strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one global batch did."""
+
+    metrics: dict[str, float]
+    grad_norm: float
+    applied: bool
+    skipped: bool
+    """True when a non-finite gradient made the step a no-op."""
+    lr: float
+
+
+def make_loss_fn(
+    loss_fn: LossFunction,
+    *,
+    temperature: float,
+    groups: Groups,
+    global_valid_seqs: torch.Tensor,
+    global_valid_toks: torch.Tensor,
+) -> MicrobatchFn:
+    """Logits -> logprobs (and entropy if the loss wants it) -> the loss, for one micro-batch."""
+
+    def fn(
+        logits: torch.Tensor, mb: BatchedDataDict
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        entropy = None
+        if loss_fn.needs_entropy:
+            entropy = vocab_parallel_entropy(logits, temperature=temperature, tp_group=groups.tp)
+        lp = token_logprobs(logits, mb["input_ids"], temperature=temperature, tp_group=groups.tp)
+        return loss_fn(
+            lp,
+            mb,
+            global_valid_seqs=global_valid_seqs,
+            global_valid_toks=global_valid_toks,
+            entropy=entropy,
+        )
+
+    return fn
+
+
+def train_global_batch(
+    *,
+    ddp: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    batch: BatchedDataDict,
+    loss_fn: LossFunction,
+    micro_batch_size: int,
+    temperature: float,
+    groups: Groups,
+    eval_mode: bool,
+) -> StepResult:
+    """Forward/backward one (DP-local) global batch, then clip, step and schedule unless eval."""
+    device = batch["input_ids"].device
+    seqs, toks = global_counts(batch)
+    counts = torch.stack([seqs, toks]).to(device)
+    dist.all_reduce(counts, group=groups.dp)
+    global_valid_seqs, global_valid_toks = counts[0], counts[1]
+
+    fn = make_loss_fn(
+        loss_fn,
+        temperature=temperature,
+        groups=groups,
+        global_valid_seqs=global_valid_seqs,
+        global_valid_toks=global_valid_toks,
+    )
+    microbatches = [trim_to_longest(mb) for mb in batch.make_microbatch_iterator(micro_batch_size)]
+    lr = float(optimizer.param_groups[0]["lr"])
+    if not eval_mode:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+    stores = run_microbatches(ddp, microbatches, fn, forward_only=eval_mode)
+    metrics = sum_metrics(stores, groups.dp)
+    metrics["global_valid_seqs"] = float(global_valid_seqs)
+    metrics["global_valid_toks"] = float(global_valid_toks)
+    metrics["num_microbatches"] = float(len(microbatches))
+    if eval_mode:
+        return StepResult(metrics=metrics, grad_norm=0.0, applied=False, skipped=False, lr=lr)
+    if not grads_are_finite(ddp):
+        log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        return StepResult(
+            metrics=metrics, grad_norm=float("nan"), applied=False, skipped=True, lr=lr
+        )
+    applied, grad_norm, _ = optimizer.step()
+    if applied:
+        scheduler.step(increment=1)
+    return StepResult(
+        metrics=metrics,
+        grad_norm=float(grad_norm or 0.0),
+        applied=bool(applied),
+        skipped=not applied,
+        lr=lr,
+    )

@@ -1,0 +1,92 @@
+"""Tiny random-weight Hugging Face models and batches for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+from policyworker.data.batched_data_dict import BatchedDataDict
+
+ARCHS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+}
+
+
+def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrides: object) -> Path:
+    """Save a random tiny model of `arch`; norms and biases are perturbed so they matter."""
+    kw: dict[str, object] = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+    )
+    if arch == "qwen3":
+        kw["head_dim"] = 32
+    if arch == "mistral":
+        kw["sliding_window"] = None
+    kw.update(overrides)
+    cfg_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    return folder
+
+
+def make_batch(
+    *,
+    batch: int = 4,
+    seq: int = 12,
+    vocab: int = 101,
+    seed: int = 0,
+    lengths: list[int] | None = None,
+) -> BatchedDataDict:
+    """Right-padded random batch with mixed lengths and the full GRPO contract."""
+    g = torch.Generator().manual_seed(seed)
+    if lengths is None:
+        lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g).tolist()
+        lengths[0] = seq
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    pos = torch.arange(seq)[None, :]
+    valid = pos < torch.tensor(lengths)[:, None]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    token_mask = (valid & (pos >= 3)).float()
+    adv = torch.randn(batch, 1, generator=g).expand(batch, seq).clone()
+    prev = -torch.rand(batch, seq, generator=g) * 3
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=torch.tensor(lengths),
+        token_mask=token_mask,
+        sample_mask=torch.ones(batch),
+        advantages=adv,
+        prev_logprobs=prev,
+        generation_logprobs=prev + 0.05 * torch.randn(batch, seq, generator=g),
+        reference_policy_logprobs=prev + 0.1 * torch.randn(batch, seq, generator=g),
+    )
+
+
+def hf_logprobs(folder: Path, data: BatchedDataDict, *, temperature: float = 1.0) -> torch.Tensor:
+    """Reference logprobs from transformers, same alignment as the worker's."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, torch_dtype=torch.float32
+    ).eval()
+    ids = data["input_ids"]
+    lengths = data["input_lengths"]
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits.float() / temperature
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    out = torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
+    return out * mask
