@@ -27,16 +27,11 @@ class ArchSpec:
     """Whether queries and keys are RMS-normalized per head before RoPE (Qwen3)."""
 
 
-def _attention_bias(cfg: Any) -> bool:
-    return bool(getattr(cfg, "attention_bias", False))
-
-
-# Each entry reads the flags from the HF config (Llama and Qwen3 make bias optional).
-ARCHITECTURES: dict[str, Any] = {
-    "LlamaForCausalLM": lambda c: ArchSpec(qkv_bias=_attention_bias(c), qk_norm=False),
-    "MistralForCausalLM": lambda c: ArchSpec(qkv_bias=False, qk_norm=False),
-    "Qwen2ForCausalLM": lambda c: ArchSpec(qkv_bias=True, qk_norm=False),
-    "Qwen3ForCausalLM": lambda c: ArchSpec(qkv_bias=_attention_bias(c), qk_norm=True),
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
+    "MistralForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": ArchSpec(qkv_bias=False, qk_norm=True),
 }
 
 
@@ -77,12 +72,16 @@ def model_shape(hf_config: Any) -> ModelShape:
         )
     if getattr(hf_config, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True is not supported")
+    # Llama/Qwen3's attention_bias also puts a bias on o_proj, which megatron only offers
+    # together with biases on every MLP linear.
+    if getattr(hf_config, "attention_bias", False):
+        raise UnsupportedModelError(f"{name} with attention_bias=True is not supported")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return ModelShape(
         architecture=name,
-        arch=ARCHITECTURES[name](hf_config),
+        arch=ARCHITECTURES[name],
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,

@@ -1,0 +1,65 @@
+"""Logprobs and top-k equal transformers' on the same weights (fp32, max abs diff <= 1e-4)."""
+
+import pytest
+import torch
+import transformers
+from conftest import make_worker
+from helpers import hf_logprobs, make_batch, make_hf_model
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama-tied-llama3-rope": (
+        "llama",
+        {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0},
+    ),
+    "llama-mha": ("llama", {"num_key_value_heads": 4}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {"rope_theta": 1e6}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_transformers(tmp_path, case, temperature):
+    arch, overrides = CASES[case]
+    folder = make_hf_model(tmp_path, arch, **overrides)
+    worker = make_worker(folder, temperature=temperature, logprob_batch_size=3)
+    data = make_batch(batch=5, seq=20, lengths=[20, 7, 13, 1, 16])
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    ref = hf_logprobs(folder, data, temperature=temperature)
+    assert ours.shape == (5, 20) and ours.dtype == torch.float32
+    assert (ours - ref).abs().max().item() <= 1e-4
+    assert (ours[:, 0] == 0).all()
+    assert (ours[1, 7:] == 0).all() and (ours[3, 1:] == 0).all()
+
+
+def test_logprobs_do_not_depend_on_micro_batch_size(llama_dir):
+    worker = make_worker(llama_dir)
+    data = make_batch(batch=6, seq=16)
+    a = worker.get_logprobs(data=data, micro_batch_size=1)["logprobs"]
+    b = worker.get_logprobs(data=data, micro_batch_size=6)["logprobs"]
+    assert (a - b).abs().max().item() <= 1e-5
+
+
+def test_topk_matches_transformers(llama_dir):
+    worker = make_worker(llama_dir, temperature=0.5)
+    data = make_batch(batch=3, seq=10, lengths=[10, 4, 8])
+    out = worker.get_topk_logits(data=data, k=4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+    with torch.no_grad():
+        logits = model(data["input_ids"]).logits / 0.5
+    vals, idx = logits.topk(4, dim=-1)
+    valid = torch.arange(10)[None, :] < data["input_lengths"][:, None]
+    assert out["topk_logits"].shape == (3, 10, 4)
+    assert (out["topk_logits"] - vals * valid[..., None]).abs().max() <= 1e-4
+    assert torch.equal(out["topk_indices"][valid], idx[valid])
+    assert (out["topk_indices"][~valid] == 0).all()

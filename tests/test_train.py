@@ -1,0 +1,131 @@
+"""train(): invariance to micro-batch size, eval mode, learning, reference swap, NaN skip."""
+
+import pytest
+import torch
+from conftest import make_worker
+from helpers import hf_logprobs, make_batch
+
+from policyworker.config import OptimizerConfig, SchedulerConfig
+from policyworker.losses import ClippedPGConfig, ClippedPGLoss, NLLLoss
+
+
+def _params(worker):
+    return {n: p.detach().clone() for n, p in worker.state.model.named_parameters()}
+
+
+def _opt_state(worker):
+    return {
+        id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+        for p, s in worker.state.optimizer.optimizer.state.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [NLLLoss(), ClippedPGLoss(), ClippedPGLoss(ClippedPGConfig(token_level_loss=False))],
+    ids=["nll", "grpo", "grpo-seq"],
+)
+def test_mbs1_equals_mbs_gbs(llama_dir, loss_fn):
+    data = make_batch(batch=4, seq=14, seed=3)
+    results = []
+    for mbs in (1, 4):
+        worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-3), max_grad_norm=0.0)
+        results.append((worker.train(data, loss_fn, mbs=mbs), _params(worker)))
+    (m1, p1), (m4, p4) = results
+    assert m1["num_microbatches"] == 4 and m4["num_microbatches"] == 1
+    assert m1["loss"] == pytest.approx(m4["loss"], rel=1e-5)
+    assert m1["grad_norm"] == pytest.approx(m4["grad_norm"], rel=1e-5)
+    assert m1["grad_norm"] > 0
+    for name in p1:
+        # Adam turns ~1e-7 gradient noise into at most ~1% of one lr-sized update.
+        assert (p1[name] - p4[name]).abs().max() <= 1e-5, name
+
+
+def test_eval_mode_changes_nothing(llama_dir):
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-3))
+    data = make_batch(batch=4, seq=12)
+    worker.train(data, NLLLoss())  # create optimizer state
+    before, opt_before = _params(worker), _opt_state(worker)
+    sched_before = worker.state.scheduler.num_steps
+    train_loss = worker.train(data, NLLLoss(), eval_mode=True)["loss"]
+    after, opt_after = _params(worker), _opt_state(worker)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert opt_before.keys() == opt_after.keys()
+    for k in opt_before:
+        assert all(torch.equal(opt_before[k][s], opt_after[k][s]) for s in opt_before[k])
+    assert worker.state.scheduler.num_steps == sched_before
+    # eval loss is the loss a train step would report on the same weights
+    assert worker.train(data, NLLLoss())["loss"] == pytest.approx(train_loss, rel=1e-6)
+
+
+def test_repeated_nll_steps_drive_loss_down(llama_dir):
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0))
+    data = make_batch(batch=4, seq=12, seed=1)
+    losses = [worker.train(data, NLLLoss())["loss"] for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.5
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False))
+
+
+def test_reference_model_is_the_initial_policy(llama_dir):
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2))
+    data = make_batch(batch=4, seq=12)
+    for _ in range(2):
+        worker.train(data, NLLLoss())
+    live = _params(worker)
+    ref = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
+    assert (ref - hf_logprobs(llama_dir, data)).abs().max() <= 1e-4
+    cur = worker.get_logprobs(data=data)["logprobs"]
+    assert (cur - ref).abs().max() > 1e-2
+    after = _params(worker)
+    assert all(torch.equal(live[n], after[n]) for n in live)
+
+
+def test_use_reference_model_restores_on_error(llama_dir):
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2))
+    worker.train(make_batch(batch=4, seq=12), NLLLoss())
+    live = _params(worker)
+    with pytest.raises(RuntimeError, match="boom"), worker.use_reference_model():
+        raise RuntimeError("boom")
+    after = _params(worker)
+    assert all(torch.equal(live[n], after[n]) for n in live)
+
+
+class _NaNLoss(NLLLoss):
+    def __call__(self, logprobs, data, **kw):
+        loss, metrics = super().__call__(logprobs, data, **kw)
+        return loss * float("nan"), metrics
+
+
+def test_non_finite_gradient_skips_the_step(llama_dir):
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2))
+    data = make_batch(batch=4, seq=12)
+    before = _params(worker)
+    metrics = worker.train(data, _NaNLoss())
+    assert metrics["skipped_steps"] == 1
+    assert all(torch.equal(before[n], p) for n, p in _params(worker).items())
+    assert worker.state.scheduler.num_steps == 0
+    # the worker still trains afterwards
+    assert worker.train(data, NLLLoss())["skipped_steps"] == 0
+
+
+def test_one_scheduler_step_per_global_batch(llama_dir):
+    sched = SchedulerConfig(style="linear", warmup_steps=2, decay_steps=10)
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-3), scheduler=sched)
+    data = make_batch(batch=8, seq=12)
+    m = worker.train(data, NLLLoss(), gbs=4, mbs=2)
+    assert m["num_global_batches"] == 2 and m["num_microbatches"] == 4
+    assert worker.state.scheduler.num_steps == 2
+    assert m["lr"] == pytest.approx(0.5e-3)  # the second step's warm-up lr
+    assert worker.state.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+
+
+def test_metrics_report_the_contract(llama_dir):
+    worker = make_worker(llama_dir)
+    data = make_batch(batch=4, seq=12)
+    data["sample_mask"][1] = 0
+    m = worker.train(data, ClippedPGLoss())
+    for key in ("loss", "grad_norm", "lr", "global_valid_toks", "num_microbatches", "probs_ratio", "clipped_fraction", "token_mult_prob_error", "kl", "entropy"):
+        assert key in m, key
+    view = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    assert m["global_valid_toks"] == view.sum().item()
+    assert m["global_valid_seqs"] == 3
