@@ -224,8 +224,8 @@ class MegatronPolicyWorker:
         """
         if self.state.ddp is None:
             raise ValueError("init_optimizer=False: this worker cannot train")
-        gbs = gbs or self.cfg.train_global_batch_size
-        mbs = mbs or self.cfg.train_micro_batch_size
+        gbs = self.cfg.train_global_batch_size if gbs is None else gbs
+        mbs = self.cfg.train_micro_batch_size if mbs is None else mbs
         b, _ = validate_batch(
             data,
             required=loss_fn.required_keys,
@@ -279,7 +279,7 @@ class MegatronPolicyWorker:
         return dict(model.named_parameters())
 
     def _check_mbs(self, micro_batch_size: int | None) -> int:
-        mbs = micro_batch_size or self.cfg.logprob_batch_size
+        mbs = self.cfg.logprob_batch_size if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
         return mbs

@@ -20,21 +20,31 @@ def _batch():
         sample_mask=torch.tensor([1.0, 1.0]),
         advantages=torch.tensor([[0.0, 1.5, 1.5, 1.5, 1.5], [0.0, -0.8, -0.8, -0.8, -0.8]]),
         prev_logprobs=curr + torch.tensor([[0, 0.5, -0.6, 0.1, 0.0], [0, 0.3, -0.4, 0.9, 0.2]]),
-        generation_logprobs=curr + torch.tensor([[0, 0.4, -0.2, 3.0, 0.1], [0, 0.0, -1.2, 0.7, 0.0]]),
-        reference_policy_logprobs=curr + torch.tensor([[0, 25.0, -0.3, 0.2, -30.0], [0, 0.1, 0.5, -0.4, 0.0]]),
+        generation_logprobs=curr
+        + torch.tensor([[0, 0.4, -0.2, 3.0, 0.1], [0, 0.0, -1.2, 0.7, 0.0]]),
+        reference_policy_logprobs=curr
+        + torch.tensor([[0, 25.0, -0.3, 0.2, -30.0], [0, 0.1, 0.5, -0.4, 0.0]]),
     )
     return curr, data
 
 
 def _tokens(data):
     """(seq, pos) pairs that the loss covers."""
-    return [(b, t) for b in range(2) for t in range(1, 5) if data["token_mask"][b, t] and data["sample_mask"][b]]
+    return [
+        (b, t)
+        for b in range(2)
+        for t in range(1, 5)
+        if data["token_mask"][b, t] and data["sample_mask"][b]
+    ]
 
 
 def _hand(cfg: ClippedPGConfig, curr: torch.Tensor, data) -> float:
     toks = _tokens(data)
     n_tok = len(toks)
-    lo, hi = cfg.truncated_importance_sampling_ratio_min, cfg.truncated_importance_sampling_ratio_max
+    lo, hi = (
+        cfg.truncated_importance_sampling_ratio_min,
+        cfg.truncated_importance_sampling_ratio_max,
+    )
 
     def f(name, b, t):
         return float(data[name][b, t])
@@ -47,7 +57,9 @@ def _hand(cfg: ClippedPGConfig, curr: torch.Tensor, data) -> float:
         c, a = float(curr[b, t]), f("advantages", b, t)
         p = c if cfg.force_on_policy_ratio else f("prev_logprobs", b, t)
         if cfg.sequence_level_importance_ratios:
-            lr_ = sum(float(curr[b, u]) - f("prev_logprobs", b, u) for u in seq_tokens(b)) / len(seq_tokens(b))
+            lr_ = sum(float(curr[b, u]) - f("prev_logprobs", b, u) for u in seq_tokens(b)) / len(
+                seq_tokens(b)
+            )
         else:
             lr_ = c - p
         r = math.exp(lr_)
@@ -70,12 +82,17 @@ def _hand(cfg: ClippedPGConfig, curr: torch.Tensor, data) -> float:
                 w = w if lo <= w <= hi else 0.0
             elif kind == "seq-mask-tis":
                 us = seq_tokens(b)
-                geo = math.exp(sum(f("prev_logprobs", b, u) - f("generation_logprobs", b, u) for u in us) / len(us))
+                geo = math.exp(
+                    sum(f("prev_logprobs", b, u) - f("generation_logprobs", b, u) for u in us)
+                    / len(us)
+                )
                 w = w if lo <= geo <= hi else 0.0
         total = w * actor
         if cfg.reference_policy_kl_penalty > 0:
             logr = min(max(f("reference_policy_logprobs", b, t) - c, -20.0), 20.0)
-            kl = {"k1": -logr, "k2": logr * logr / 2, "k3": math.exp(logr) - 1 - logr}[cfg.reference_policy_kl_type]
+            kl = {"k1": -logr, "k2": logr * logr / 2, "k3": math.exp(logr) - 1 - logr}[
+                cfg.reference_policy_kl_type
+            ]
             kl = min(max(kl, -10.0), 10.0)
             total += cfg.reference_policy_kl_penalty * w * kl
         per_tok[(b, t)] = total
@@ -83,7 +100,9 @@ def _hand(cfg: ClippedPGConfig, curr: torch.Tensor, data) -> float:
         loss = sum(per_tok.values()) / n_tok
     else:
         seqs = sorted({b for b, _ in toks})
-        loss = sum(sum(per_tok[(b, t)] for t in seq_tokens(b)) / len(seq_tokens(b)) for b in seqs) / 2
+        loss = (
+            sum(sum(per_tok[(b, t)] for t in seq_tokens(b)) / len(seq_tokens(b)) for b in seqs) / 2
+        )
     if cfg.positive_example_nll_coef is not None:
         pos = [(b, t) for b, t in toks if sum(f("advantages", b, u) for u in seq_tokens(b)) > 0]
         loss += cfg.positive_example_nll_coef * -sum(float(curr[b, t]) for b, t in pos) / n_tok
@@ -99,9 +118,24 @@ OPTIONS = {
     "cispo": ClippedPGConfig(cispo=True),
     "gspo": ClippedPGConfig(sequence_level_importance_ratios=True),
     "is-plain": ClippedPGConfig(use_importance_sampling_correction=True),
-    "is-tis": ClippedPGConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_ratio_max=1.2),
-    "is-icepop": ClippedPGConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio_min=0.5, truncated_importance_sampling_ratio_max=1.2),
-    "is-seq-mask": ClippedPGConfig(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio_min=0.8, truncated_importance_sampling_ratio_max=1.25),
+    "is-tis": ClippedPGConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio_min=0.5,
+        truncated_importance_sampling_ratio_max=1.2,
+    ),
+    "is-icepop": ClippedPGConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio_min=0.5,
+        truncated_importance_sampling_ratio_max=1.2,
+    ),
+    "is-seq-mask": ClippedPGConfig(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio_min=0.8,
+        truncated_importance_sampling_ratio_max=1.25,
+    ),
     "kl-k1": ClippedPGConfig(reference_policy_kl_type="k1", reference_policy_kl_penalty=0.1),
     "kl-k2": ClippedPGConfig(reference_policy_kl_type="k2", reference_policy_kl_penalty=0.1),
     "kl-k3": ClippedPGConfig(reference_policy_kl_type="k3", reference_policy_kl_penalty=0.1),
@@ -125,13 +159,16 @@ def test_ppo_surrogate_literal_values():
     # A = 1, r = e^0.5 -> clipped to 1.2: surrogate -1.2. A = -1, r = e^-0.5 -> max(0.6065, 0.8) = 0.8.
     curr = torch.tensor([[0.0, -0.5], [0.0, -1.5]])
     data = BatchedDataDict(
-        token_mask=torch.ones(2, 2), sample_mask=torch.ones(2),
+        token_mask=torch.ones(2, 2),
+        sample_mask=torch.ones(2),
         advantages=torch.tensor([[0.0, 1.0], [0.0, -1.0]]),
         prev_logprobs=torch.tensor([[0.0, -1.0], [0.0, -1.0]]),
         generation_logprobs=torch.tensor([[0.0, -1.0], [0.0, -1.0]]),
     )
     cfg = ClippedPGConfig(reference_policy_kl_penalty=0.0)
-    loss, m = ClippedPGLoss(cfg)(curr, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=torch.tensor(2.0))
+    loss, m = ClippedPGLoss(cfg)(
+        curr, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=torch.tensor(2.0)
+    )
     assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, rel=1e-6)
     assert m["clipped_fraction"].item() == pytest.approx(1.0)
     assert m["probs_ratio"].item() == pytest.approx((math.exp(0.5) + math.exp(-0.5)) / 2, rel=1e-6)
@@ -141,9 +178,14 @@ def test_ppo_surrogate_literal_values():
 def test_gradients_of_cispo_and_on_policy():
     curr, data = _batch()
     toks = torch.tensor(float(len(_tokens(data))))
-    for cfg in (ClippedPGConfig(cispo=True, reference_policy_kl_penalty=0.0), ClippedPGConfig(force_on_policy_ratio=True, reference_policy_kl_penalty=0.0)):
+    for cfg in (
+        ClippedPGConfig(cispo=True, reference_policy_kl_penalty=0.0),
+        ClippedPGConfig(force_on_policy_ratio=True, reference_policy_kl_penalty=0.0),
+    ):
         x = curr.clone().requires_grad_(True)
-        loss, _ = ClippedPGLoss(cfg)(x, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=toks)
+        loss, _ = ClippedPGLoss(cfg)(
+            x, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=toks
+        )
         loss.backward()
         expected = torch.zeros_like(curr)
         for b, t in _tokens(data):
@@ -182,14 +224,24 @@ def test_seq_logprob_error_threshold_drops_sequences():
 def test_nll_and_masked_mean():
     curr, data = _batch()
     toks = _tokens(data)
-    loss, _ = NLLLoss()(curr, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=torch.tensor(10.0))
+    loss, _ = NLLLoss()(
+        curr, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=torch.tensor(10.0)
+    )
     assert loss.item() == pytest.approx(-sum(float(curr[b, t]) for b, t in toks) / 10.0, rel=1e-6)
-    assert masked_mean(torch.ones(3), torch.tensor([1.0, 0.0, 1.0]), 4.0).item() == pytest.approx(0.5, rel=1e-6)
+    assert masked_mean(torch.ones(3), torch.tensor([1.0, 0.0, 1.0]), 4.0).item() == pytest.approx(
+        0.5, rel=1e-6
+    )
 
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"ratio_clip_c": 1.0}, {"reference_policy_kl_type": "k4"}, {"truncated_importance_sampling_type": "x"}, {"ratio_clip_min": -0.1}, {"cispo": True, "disable_ppo_ratio": True}],
+    [
+        {"ratio_clip_c": 1.0},
+        {"reference_policy_kl_type": "k4"},
+        {"truncated_importance_sampling_type": "x"},
+        {"ratio_clip_min": -0.1},
+        {"cispo": True, "disable_ppo_ratio": True},
+    ],
 )
 def test_bad_loss_options_raise(kwargs):
     with pytest.raises(ValueError):

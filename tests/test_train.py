@@ -124,7 +124,18 @@ def test_metrics_report_the_contract(llama_dir):
     data = make_batch(batch=4, seq=12)
     data["sample_mask"][1] = 0
     m = worker.train(data, ClippedPGLoss())
-    for key in ("loss", "grad_norm", "lr", "global_valid_toks", "num_microbatches", "probs_ratio", "clipped_fraction", "token_mult_prob_error", "kl", "entropy"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "global_valid_toks",
+        "num_microbatches",
+        "probs_ratio",
+        "clipped_fraction",
+        "token_mult_prob_error",
+        "kl",
+        "entropy",
+    ):
         assert key in m, key
     view = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     assert m["global_valid_toks"] == view.sum().item()

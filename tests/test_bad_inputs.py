@@ -1,0 +1,156 @@
+"""Every bad input raises ValueError naming the field, and leaves the worker usable and unchanged."""
+
+import pytest
+import torch
+from conftest import make_worker
+from helpers import make_batch, make_hf_model
+
+from policyworker.config import PolicyConfig
+from policyworker.losses import ClippedPGLoss, NLLLoss
+from policyworker.model.hf_config import UnsupportedModelError
+
+
+def _drop(key):
+    def f(d):
+        del d[key]
+
+    return f
+
+
+def _set(key, value):
+    def f(d):
+        d[key] = value(d) if callable(value) else value
+
+    return f
+
+
+BAD_BATCHES = {
+    "missing input_ids": (_drop("input_ids"), "input_ids"),
+    "missing advantages": (_drop("advantages"), "advantages"),
+    "float input_ids": (_set("input_ids", lambda d: d["input_ids"].float()), "input_ids"),
+    "1-D input_ids": (_set("input_ids", lambda d: d["input_ids"][0]), "input_ids"),
+    "token id out of vocab": (_set("input_ids", lambda d: d["input_ids"] + 1000), "input_ids"),
+    "negative token id": (_set("input_ids", lambda d: d["input_ids"] - 1000), "input_ids"),
+    "too long": (
+        _set("input_ids", lambda d: torch.zeros(4, 65, dtype=torch.long)),
+        "max_total_sequence_length",
+    ),
+    "length 0": (_set("input_lengths", torch.tensor([0, 3, 3, 3])), "input_lengths"),
+    "length > S": (_set("input_lengths", torch.tensor([13, 3, 3, 3])), "input_lengths"),
+    "float lengths": (_set("input_lengths", torch.tensor([3.0, 3, 3, 3])), "input_lengths"),
+    "lengths wrong shape": (_set("input_lengths", torch.tensor([3, 3])), "input_lengths"),
+    "token_mask wrong shape": (_set("token_mask", torch.ones(4, 11)), "token_mask"),
+    "sample_mask wrong shape": (_set("sample_mask", torch.ones(4, 1)), "sample_mask"),
+    "advantages NaN": (_set("advantages", lambda d: d["advantages"] * float("nan")), "advantages"),
+    "int logprobs": (_set("prev_logprobs", lambda d: d["prev_logprobs"].long()), "prev_logprobs"),
+    "not a dict": (None, "BatchedDataDict"),
+}
+
+
+@pytest.fixture(scope="module")
+def worker(llama_dir):
+    return make_worker(llama_dir)
+
+
+# get_logprobs reads only input_ids and input_lengths.
+TRAIN_ONLY = {
+    "missing advantages",
+    "token_mask wrong shape",
+    "sample_mask wrong shape",
+    "advantages NaN",
+    "int logprobs",
+}
+CALLS = [("train", c) for c in sorted(BAD_BATCHES)] + [
+    ("get_logprobs", c) for c in sorted(BAD_BATCHES) if c not in TRAIN_ONLY
+]
+
+
+@pytest.mark.parametrize("call,case", CALLS)
+def test_bad_batch_raises_and_changes_nothing(worker, case, call):
+    mutate, field = BAD_BATCHES[case]
+    data = make_batch(batch=4, seq=12)
+    if mutate is None:
+        data = [1, 2, 3]
+    else:
+        mutate(data)
+    before = {n: p.detach().clone() for n, p in worker.state.model.named_parameters()}
+    steps = worker.state.scheduler.num_steps
+    with pytest.raises(ValueError, match=field):
+        if call == "train":
+            worker.train(data, ClippedPGLoss())
+        else:
+            worker.get_logprobs(data=data)
+    assert all(torch.equal(before[n], p) for n, p in worker.state.model.named_parameters())
+    assert worker.state.scheduler.num_steps == steps
+    # still usable
+    assert worker.train(make_batch(batch=4, seq=12), NLLLoss(), eval_mode=True)["loss"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"gbs": 3}, "gbs"),
+        ({"gbs": 4, "mbs": 3}, "gbs"),
+        ({"mbs": 0}, "mbs"),
+        ({"gbs": 8}, "batch size"),
+    ],
+)
+def test_bad_batch_sizes(worker, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        worker.train(make_batch(batch=4, seq=12), NLLLoss(), **kwargs)
+
+
+def test_bad_call_arguments(worker):
+    data = make_batch(batch=2, seq=8)
+    with pytest.raises(ValueError, match="k"):
+        worker.get_topk_logits(data=data, k=0)
+    with pytest.raises(ValueError, match="k"):
+        worker.get_topk_logits(data=data, k=10_000)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        worker.get_logprobs(data=data, micro_batch_size=-1)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    folder = make_hf_model(tmp_path, "llama")
+    cfg = (folder / "config.json").read_text().replace("LlamaForCausalLM", "GPT2LMHeadModel")
+    (folder / "config.json").write_text(cfg)
+    with pytest.raises(
+        UnsupportedModelError,
+        match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM",
+    ):
+        make_worker(folder)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+    ],
+)
+def test_unsupported_model_options(tmp_path, overrides, match):
+    folder = make_hf_model(tmp_path, "llama", **overrides)
+    with pytest.raises(UnsupportedModelError, match=match):
+        make_worker(folder)
+
+
+def test_sliding_window_shorter_than_sequences_is_refused(tmp_path):
+    folder = make_hf_model(tmp_path, "mistral", sliding_window=16)
+    with pytest.raises(UnsupportedModelError, match="sliding_window"):
+        make_worker(folder)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"precision": "fp16"}, "precision"),
+        ({"train_micro_batch_size": 3}, "train_global_batch_size"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"logprob_batch_size": 0}, "logprob_batch_size"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm"),
+    ],
+)
+def test_bad_config_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PolicyConfig(model_name="/x", **kwargs)
