@@ -6,10 +6,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import make_hf_model  # noqa: E402
+from helpers import make_hf_model
 
-from policyworker.config import PolicyConfig  # noqa: E402
-from policyworker.worker import MegatronPolicyWorker  # noqa: E402
+from policyworker.config import PolicyConfig
+from policyworker.worker import MegatronPolicyWorker
 
 logging.getLogger("megatron").setLevel(logging.ERROR)
 

@@ -3,8 +3,9 @@
 Two layouts, as megatron hands them over:
 * padded (sbhd): query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn];
 * packed (thd, `packed_seq_params.qkv_format == "thd"`): query [t, np, hn], key/value [t, ng, hn]
-  with cu_seqlens -> [t, np*hn]. On GPU this is `torch.nn.attention.varlen.varlen_attn`
-  (flash); on CPU each sequence runs through SDPA on its own, which is exact and simple.
+  with cu_seqlens -> [t, np*hn]. On GPU in bf16/fp16 this is
+  `torch.nn.attention.varlen.varlen_attn` (flash); otherwise each sequence runs through SDPA on
+  its own, which is exact and simple.
 
 Attention is always causal; the mask megatron passes is ignored (right padding never leaks into
 earlier positions under a causal mask).
@@ -90,7 +91,8 @@ class SDPACoreAttention(MegatronModule):
             if params.cu_seqlens_kv_padded is not None
             else params.cu_seqlens_kv
         )
-        if query.is_cuda:
+        # flash varlen kernels take only half precision; fp32 uses the exact per-sequence path.
+        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
             return _varlen_cuda(query, key, value, cu_q, cu_k, params, self.softmax_scale)
         return _varlen_reference(query, key, value, cu_q, self.softmax_scale)
 

@@ -8,7 +8,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 
@@ -59,7 +59,23 @@ def build_optimizer(
         clip_grad=max_grad_norm,
         use_distributed_optimizer=False,
     )
-    return get_megatron_optimizer(mcore_cfg, [ddp])
+    optimizer = get_megatron_optimizer(mcore_cfg, [ddp])
+    if torch.cuda.is_available():
+        _use_fused_adamw(optimizer)
+    return optimizer
+
+
+def _use_fused_adamw(optimizer: MegatronOptimizer) -> None:
+    """Without TE/apex megatron falls back to torch AdamW (foreach); its fused kernel is faster.
+
+    Both read the per-group flags at every step, so switching after construction is enough.
+    """
+    inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    for opt in inner:
+        torch_opt = opt.optimizer
+        if isinstance(torch_opt, torch.optim.AdamW):
+            for group in torch_opt.param_groups:
+                group["fused"], group["foreach"] = True, False
 
 
 def build_scheduler(

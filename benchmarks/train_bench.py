@@ -1,0 +1,238 @@
+"""train() and get_logprobs() throughput beside (a) a plain megatron-core loop and (b) transformers.
+
+All three run the same ~1.6B Llama-like random model in bf16, in one process, on one GPU:
+
+* ours:      `MegatronPolicyWorker.train(NLLLoss)` / `get_logprobs`;
+* mcore:     GPTModel (our layer spec, SDPA attention) forward with labels, backward, fused AdamW
+             on the bf16 params (no master weights, no DDP buffers);
+* hf:        `LlamaForCausalLM` (attn_implementation="sdpa") forward with labels, backward, fused
+             AdamW on the bf16 params.
+
+Prints one JSON line with seconds/step, tokens/s, MFU and the ratios. Needs a GPU.
+
+    python benchmarks/train_bench.py [--layers 22] [--seq 2048] [--batch 4] [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+PEAK_BF16_FLOPS = 790e12  # measured on this H200 (8192^3 bf16 matmul), see BENCHMARKS.md
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU only for a smoke run of the script
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        sync()
+
+
+def hf_config(layers: int, hidden: int, vocab: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
+
+
+def flops_per_step(cfg, tokens: int, seq: int) -> float:
+    """6 * matmul params * tokens + causal attention (6 * L * s * h per token)."""
+    h, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
+    kv = h * cfg.num_key_value_heads // cfg.num_attention_heads
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f
+    matmul_params = L * per_layer + v * h
+    return 6 * matmul_params * tokens + 6 * L * seq * h * tokens
+
+
+def timed(step: Callable[[], None], steps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def free() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_hf(folder: Path, ids: torch.Tensor, steps: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).to(DEVICE)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+
+    def train_step() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def logprob_step() -> None:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+            lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+            del lp
+
+    out = {"train_s": timed(train_step, steps), "logprobs_s": timed(logprob_step, steps)}
+    del model, opt
+    free()
+    return out
+
+
+def bench_mcore_plain(
+    worker_cls, cfg_cls, folder: Path, ids: torch.Tensor, steps: int
+) -> dict[str, float]:
+    """The same GPTModel as ours, driven by hand: no DDP, no master weights, fused AdamW."""
+    worker = worker_cls(
+        cfg_cls(
+            model_name=str(folder), precision="bfloat16", max_total_sequence_length=ids.shape[1]
+        ),
+        init_optimizer=False,
+        init_reference_model=False,
+    )
+    model = worker.state.model
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+
+    def train_step() -> None:
+        loss = model(ids, pos, None, labels=ids).mean()  # [B, S] per-token CE from megatron
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out = {"train_s": timed(train_step, steps)}
+    del worker, model, opt
+    free()
+    return out
+
+
+def bench_ours(
+    worker_cls, cfg_cls, folder: Path, ids: torch.Tensor, steps: int, mbs: int
+) -> dict[str, float]:
+    from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.losses import NLLLoss
+
+    b, s = ids.shape
+    cfg = cfg_cls(
+        model_name=str(folder),
+        precision="bfloat16",
+        train_global_batch_size=b,
+        train_micro_batch_size=mbs,
+        logprob_batch_size=b,
+        max_total_sequence_length=s,
+    )
+    worker = worker_cls(cfg, init_reference_model=False)
+    data = BatchedDataDict(
+        input_ids=ids.cpu(),
+        input_lengths=torch.full((b,), s),
+        token_mask=torch.ones(b, s),
+        sample_mask=torch.ones(b),
+    )
+    loss = NLLLoss()
+    out = {
+        "train_s": timed(lambda: worker.train(data, loss), steps),
+        "logprobs_s": timed(lambda: worker.get_logprobs(data=data), steps),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0,
+    }
+    del worker
+    free()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--mbs", type=int, default=0, help="micro-batch size for ours (0: = batch)")
+    parser.add_argument("--out", default=None, help="also write the JSON line here")
+    args = parser.parse_args()
+
+    from transformers import LlamaForCausalLM
+
+    from policyworker.config import PolicyConfig
+    from policyworker.worker import MegatronPolicyWorker
+
+    cfg = hf_config(args.layers, args.hidden, args.vocab)
+    folder = Path(tempfile.mkdtemp(prefix="bench-llama-"))
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    free()
+
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=DEVICE)
+    tokens = args.batch * args.seq
+    flops = flops_per_step(cfg, tokens, args.seq)
+    ours = bench_ours(
+        MegatronPolicyWorker, PolicyConfig, folder, ids, args.steps, args.mbs or args.batch
+    )
+    mcore = bench_mcore_plain(MegatronPolicyWorker, PolicyConfig, folder, ids, args.steps)
+    hf = bench_hf(folder, ids, args.steps)
+
+    def mfu(seconds: float) -> float:
+        return flops / seconds / PEAK_BF16_FLOPS
+
+    row = {
+        "bench": "train_and_logprobs",
+        "params": n_params,
+        "batch": args.batch,
+        "seq": args.seq,
+        "mbs": args.mbs or args.batch,
+        "ours_train_s": ours["train_s"],
+        "mcore_train_s": mcore["train_s"],
+        "hf_train_s": hf["train_s"],
+        "ours_train_tok_s": tokens / ours["train_s"],
+        "hf_train_tok_s": tokens / hf["train_s"],
+        "ours_mfu": mfu(ours["train_s"]),
+        "mcore_mfu": mfu(mcore["train_s"]),
+        "hf_mfu": mfu(hf["train_s"]),
+        "train_speedup_vs_hf": hf["train_s"] / ours["train_s"],
+        "train_speedup_vs_mcore": mcore["train_s"] / ours["train_s"],
+        "ours_logprobs_s": ours["logprobs_s"],
+        "hf_forward_logprobs_s": hf["logprobs_s"],
+        "ours_logprobs_tok_s": tokens / ours["logprobs_s"],
+        "logprobs_speedup_vs_hf": hf["logprobs_s"] / ours["logprobs_s"],
+        "ours_peak_mem_gib": ours["peak_mem_gib"],
+    }
+    line = json.dumps(row)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""GPU checks (run on the device, not in CI): bf16 parity with transformers, fp32 parity, varlen.
+
+python -m pytest -q gpu_tests      # writes the measured tolerances to $OUT/gpu_parity.json
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from helpers import make_batch, make_hf_model
+
+from policyworker.config import PolicyConfig
+from policyworker.losses import NLLLoss
+from policyworker.worker import MegatronPolicyWorker
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU tests need CUDA", allow_module_level=True)
+
+RESULTS: dict[str, dict[str, float]] = {}
+MEDIUM = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def _hf_lp(folder, data, dtype):
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, attn_implementation="sdpa"
+        )
+        .cuda()
+        .eval()
+    )
+    ids = data["input_ids"].cuda()
+    mask = (
+        torch.arange(ids.shape[1], device="cuda")[None] < data["input_lengths"].cuda()[:, None]
+    ).long()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return (torch.cat([torch.zeros_like(lp[:, :1]), lp], 1) * mask).cpu()
+
+
+def _worker(folder, precision):
+    cfg = PolicyConfig(
+        model_name=str(folder),
+        precision=precision,
+        train_global_batch_size=4,
+        train_micro_batch_size=1,
+        logprob_batch_size=4,
+        max_total_sequence_length=256,
+    )
+    return MegatronPolicyWorker(cfg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_parity_on_gpu(tmp_path, arch):
+    kw = dict(MEDIUM)
+    if arch == "qwen3":
+        kw["head_dim"] = 64
+    folder = make_hf_model(tmp_path, arch, **kw)
+    data = make_batch(batch=6, seq=200, vocab=1024, lengths=[200, 17, 133, 64, 1, 190])
+    valid = torch.arange(200)[None] < data["input_lengths"][:, None]
+    fp32 = _worker(folder, "float32").get_logprobs(data=data)["logprobs"]
+    hf32 = _hf_lp(folder, data, torch.float32)
+    bf16 = _worker(folder, "bfloat16").get_logprobs(data=data)["logprobs"]
+    hf16 = _hf_lp(folder, data, torch.bfloat16)
+    r = {
+        "fp32_vs_hf_fp32_max": (fp32 - hf32)[valid].abs().max().item(),
+        "bf16_vs_hf_bf16_max": (bf16 - hf16)[valid].abs().max().item(),
+        "bf16_vs_hf_bf16_mean": (bf16 - hf16)[valid].abs().mean().item(),
+        "hf_bf16_vs_hf_fp32_max": (hf16 - hf32)[valid].abs().max().item(),
+        "bf16_vs_hf_fp32_max": (bf16 - hf32)[valid].abs().max().item(),
+    }
+    RESULTS[arch] = r
+    _dump()
+    assert r["fp32_vs_hf_fp32_max"] <= 1e-4
+    # bf16: ours must be as close to the fp32 truth as transformers' own bf16 is (x1.5 slack)
+    assert r["bf16_vs_hf_fp32_max"] <= 1.5 * r["hf_bf16_vs_hf_fp32_max"] + 1e-3
+
+
+def test_varlen_flash_matches_padded_bf16(tmp_path):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    folder = make_hf_model(tmp_path, "llama", **MEDIUM)
+    worker = _worker(folder, "bfloat16")
+    model = worker.state.model.eval()
+    lengths = [37, 5, 120]
+    seqs = [torch.randint(0, 1024, (n,), device="cuda") for n in lengths]
+    cu = torch.tensor([0, 37, 42, 162], dtype=torch.int32, device="cuda")
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=120, max_seqlen_kv=120
+    )
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(torch.cat(seqs)[None], pos, None, packed_seq_params=params)[0].float()
+        diffs = []
+        for s, start in zip(seqs, cu[:-1].tolist(), strict=True):
+            alone = model(s[None], torch.arange(len(s), device="cuda")[None], None)[0].float()
+            diffs.append((packed[start : start + len(s)] - alone).abs().max().item())
+    RESULTS["varlen_bf16_logits_max_diff"] = {"max": max(diffs)}
+    _dump()
+    assert max(diffs) <= 0.1
+
+
+def test_train_mbs_invariance_fp32_gpu(tmp_path):
+    folder = make_hf_model(tmp_path, "qwen2", **MEDIUM)
+    data = make_batch(batch=4, seq=64, vocab=1024)
+    m = []
+    for mbs in (1, 4):
+        w = _worker(folder, "float32")
+        m.append(w.train(data, NLLLoss(), mbs=mbs))
+    RESULTS["train_fp32_mbs1_vs_mbs4"] = {
+        "loss_rel": abs(m[0]["loss"] - m[1]["loss"]) / m[1]["loss"],
+        "grad_norm_rel": abs(m[0]["grad_norm"] - m[1]["grad_norm"]) / m[1]["grad_norm"],
+    }
+    _dump()
+    assert m[0]["loss"] == pytest.approx(m[1]["loss"], rel=1e-5)
+    assert m[0]["grad_norm"] == pytest.approx(m[1]["grad_norm"], rel=1e-5)
+
+
+def _dump():
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "gpu_parity.json").write_text(json.dumps(RESULTS, indent=2))

@@ -1,0 +1,3 @@
+from policyworker.cli import main
+
+main()

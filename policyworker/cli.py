@@ -1,0 +1,42 @@
+"""Command line: `python -m policyworker demo [--out DIR] [--model DIR --data FILE] [key=value ...]`.
+
+Extra `key=value` arguments are dotted overrides of `DemoConfig` (e.g. `grpo_steps=10`,
+`loss.ratio_clip_max=0.28`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from policyworker.config import load_config
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="policyworker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="SFT warm-up then GRPO (built-in addition task by default)")
+    demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
+    demo.add_argument("--model", default=None, help="HF checkpoint folder to train")
+    demo.add_argument("--data", default=None, help="JSONL of prompt/answer pairs (with --model)")
+    demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
+    demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for noisy in ("megatron", "transformers", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from policyworker.demo.grpo import DemoConfig, run_demo
+
+    overrides = list(args.overrides)
+    for key in ("out", "model", "data"):
+        if getattr(args, key) is not None:
+            overrides.append(f"{key}={getattr(args, key)}")
+    cfg = load_config(args.config, overrides, cls=DemoConfig)
+    run_demo(cfg)
+
+
+if __name__ == "__main__":
+    main()

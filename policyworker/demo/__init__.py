@@ -1,0 +1,1 @@
+"""The main job: SFT warm-up then GRPO on a verifiable task."""

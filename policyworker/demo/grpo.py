@@ -1,0 +1,293 @@
+"""The main job: SFT warm-up, then GRPO, with a worker and an in-process sampler.
+
+    python -m policyworker demo --out runs/demo                    # built-in addition task, CPU
+    python -m policyworker demo --model /ckpt --data tasks.jsonl   # your checkpoint (GPU)
+
+One GRPO step, as an RL loop runs it (REFERENCE.md): refit the sampler, sample a group of
+responses per prompt, reward them, normalize rewards within each group into advantages, get
+prev/reference logprobs from the worker, and train with ClippedPGLoss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from policyworker.config import OptimizerConfig, PolicyConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.demo.sampler import HFSampler, Samples
+from policyworker.demo.task import (
+    Example,
+    addition_examples,
+    char_tokenizer,
+    load_jsonl,
+    noisy_labels,
+    reward,
+)
+from policyworker.losses import ClippedPGConfig, ClippedPGLoss, NLLLoss
+from policyworker.worker import MegatronPolicyWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """The demo run. Defaults are the built-in task's, calibrated for 2 CPU cores."""
+
+    out: str = "runs/demo"
+    """Output folder: metrics.jsonl, metrics.png, hf/ (final export)."""
+    model: str | None = None
+    """A HF checkpoint to train instead of the built-in tiny Llama."""
+    data: str | None = None
+    """JSONL of {"prompt", "answer"} pairs (required with `model`)."""
+    seed: int = 0
+    """Seed for data, sampling and the model."""
+    sft_steps: int = 900
+    """SFT warm-up steps (NLLLoss)."""
+    sft_batch: int = 64
+    """Sequences per SFT step."""
+    sft_lr: float = 3e-3
+    """SFT learning rate."""
+    sft_wrong_fraction: float = 0.5
+    """Fraction of SFT labels replaced by wrong answers (built-in task)."""
+    grpo_steps: int = 40
+    """GRPO steps."""
+    prompts_per_step: int = 16
+    """Prompts per GRPO step."""
+    group_size: int = 8
+    """Samples per prompt."""
+    grpo_lr: float = 1e-3
+    """GRPO learning rate."""
+    temperature: float = 1.0
+    """Sampling temperature (the worker divides logits by it too)."""
+    max_new_tokens: int = 4
+    """Longest response."""
+    micro_batch_size: int = 64
+    """Micro-batch size for train and logprobs."""
+    precision: str = "float32"
+    """Worker precision."""
+    loss: ClippedPGConfig = field(
+        default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
+    )
+    """ClippedPGLoss options."""
+
+
+def tiny_llama(folder: Path, vocab_size: int, seed: int) -> Path:
+    """A 0.6M-parameter random Llama, saved as a HF checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def sequences_batch(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int
+) -> BatchedDataDict:
+    """Right-padded prompt+response; token_mask covers the response."""
+    rows = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    token_mask = torch.zeros(len(rows), width)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        token_mask[i, len(p) : len(p) + len(r)] = 1.0
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=torch.tensor([len(r) for r in rows]),
+        token_mask=token_mask,
+        sample_mask=torch.ones(len(rows)),
+    )
+
+
+def group_advantages(rewards: list[float], group_size: int) -> list[float]:
+    """(r - mean) / (std + 1e-6) within each group of samples of one prompt."""
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = rewards[start : start + group_size]
+        mean, std = statistics.fmean(group), statistics.pstdev(group)
+        out += [(r - mean) / (std + 1e-6) for r in group]
+    return out
+
+
+def grpo_batch(
+    samples: Samples, rewards: list[float], group_size: int, pad_id: int
+) -> BatchedDataDict:
+    """The GRPO batch contract from samples: advantages and generation logprobs on the response."""
+    batch = sequences_batch(samples.prompt_ids, samples.response_ids, pad_id)
+    adv = torch.tensor(group_advantages(rewards, group_size))
+    batch["advantages"] = adv[:, None] * batch["token_mask"]
+    gen = torch.zeros_like(batch["token_mask"])
+    for i, (p, lp) in enumerate(zip(samples.prompt_ids, samples.response_logprobs, strict=True)):
+        gen[i, len(p) : len(p) + len(lp)] = torch.tensor(lp)
+    batch["generation_logprobs"] = gen
+    return batch
+
+
+class Run:
+    """The demo's state: worker, sampler, task, metrics sink."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(cfg.seed)
+        if cfg.model is None:
+            self.tokenizer = char_tokenizer()
+            model_dir = tiny_llama(self.out / "init", len(self.tokenizer), cfg.seed)
+            self.tokenizer.save_pretrained(model_dir)
+            self.examples: list[Example] | None = None
+        else:
+            if cfg.data is None:
+                raise ValueError("data: required with --model (a JSONL of prompt/answer pairs)")
+            from transformers import AutoTokenizer
+
+            model_dir = Path(cfg.model)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            if self.tokenizer.pad_token_id is None:
+                self.tokenizer.pad_token = self.tokenizer.eos_token
+            self.examples = load_jsonl(cfg.data)
+        policy = PolicyConfig(
+            model_name=str(model_dir),
+            precision=cfg.precision,  # type: ignore[arg-type]
+            train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
+            train_micro_batch_size=cfg.micro_batch_size,
+            logprob_batch_size=cfg.micro_batch_size,
+            max_total_sequence_length=256,
+            temperature=cfg.temperature,
+            optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
+            seed=cfg.seed,
+        )
+        self.worker = MegatronPolicyWorker(policy, tokenizer=self.tokenizer)
+        self.sampler = HFSampler(str(model_dir), self.tokenizer, device=self.worker.device)
+        self.metrics_file = (self.out / "metrics.jsonl").open("w")
+        self.history: list[dict] = []
+
+    def draw(self, n: int) -> list[Example]:
+        if self.examples is None:
+            return addition_examples(self.rng, n)
+        return [self.rng.choice(self.examples) for _ in range(n)]
+
+    def record(self, row: dict) -> None:
+        self.history.append(row)
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+
+    def sft_step(self, step: int) -> dict:
+        cfg = self.cfg
+        examples = self.draw(cfg.sft_batch)
+        if self.examples is None:
+            examples = noisy_labels(self.rng, examples, cfg.sft_wrong_fraction)
+        tok = self.tokenizer
+        prompts = [self.sampler._encode_prompt(e.prompt) for e in examples]
+        answers = [
+            tok(e.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            for e in examples
+        ]
+        batch = sequences_batch(prompts, answers, tok.pad_token_id)
+        m = self.worker.train(
+            batch, NLLLoss(), gbs=cfg.sft_batch, mbs=min(cfg.micro_batch_size, cfg.sft_batch)
+        )
+        return {
+            "step": step,
+            "phase": "sft",
+            "loss": m["loss"],
+            "reward_mean": None,
+            "grad_norm": m["grad_norm"],
+            "lr": m["lr"],
+        }
+
+    def grpo_step(self, step: int, loss_fn: ClippedPGLoss) -> dict:
+        cfg = self.cfg
+        examples = self.draw(cfg.prompts_per_step)
+        self.sampler.load_weights(self.worker.export_hf_weights())  # refit
+        samples = self.sampler.sample(
+            [e.prompt for e in examples],
+            n=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed * 100_003 + step,
+        )
+        answers = [e.answer for e in examples for _ in range(cfg.group_size)]
+        rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
+        batch = grpo_batch(samples, rewards, cfg.group_size, self.tokenizer.pad_token_id)
+        batch["prev_logprobs"] = self.worker.get_logprobs(data=batch)["logprobs"]
+        if loss_fn.cfg.reference_policy_kl_penalty > 0:
+            ref = self.worker.get_reference_policy_logprobs(data=batch)
+            batch["reference_policy_logprobs"] = ref["reference_logprobs"]
+        m = self.worker.train(batch, loss_fn)
+        keep = (
+            "loss",
+            "grad_norm",
+            "lr",
+            "probs_ratio",
+            "clipped_fraction",
+            "token_mult_prob_error",
+            "entropy",
+        )
+        return {
+            "step": step,
+            "phase": "grpo",
+            "reward_mean": statistics.fmean(rewards),
+            **{k: m[k] for k in keep if k in m},
+        }
+
+
+def run_demo(cfg: DemoConfig) -> list[dict]:
+    """Run SFT then GRPO; write metrics.jsonl, metrics.png and the final HF export under cfg.out."""
+    start = time.time()
+    run = Run(cfg)
+    total = cfg.sft_steps + cfg.grpo_steps
+    bar = tqdm(total=total, desc="demo", unit="step", dynamic_ncols=True)
+    for step in range(cfg.sft_steps):
+        row = run.sft_step(step)
+        run.record(row)
+        bar.update()
+        bar.set_postfix(phase="sft", loss=f"{row['loss']:.3f}")
+        if step % 50 == 0 or step == cfg.sft_steps - 1:  # SFT steps are many and fast
+            tqdm.write(f"sft  step {step:4d}  loss {row['loss']:.4f}")
+    for group in run.worker.state.optimizer.param_groups:
+        group["max_lr"] = group["lr"] = cfg.grpo_lr
+    run.worker.state.scheduler.max_lr = cfg.grpo_lr
+    loss_fn = ClippedPGLoss(cfg.loss)
+    for i in range(cfg.grpo_steps):
+        row = run.grpo_step(cfg.sft_steps + i, loss_fn)
+        run.record(row)
+        bar.update()
+        bar.set_postfix(phase="grpo", reward=f"{row['reward_mean']:.2f}")
+        tqdm.write(
+            f"grpo step {row['step']:4d}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}"
+        )
+    bar.close()
+    run.metrics_file.close()
+    run.worker.save_hf_pretrained(run.out / "hf")
+    from policyworker.demo.plot import plot_metrics
+
+    plot_metrics(run.history, run.out / "metrics.png")
+    rewards = [r["reward_mean"] for r in run.history if r["phase"] == "grpo"]
+    if len(rewards) >= 10:
+        log.info(
+            "reward: first 5 GRPO steps %.3f, last 5 %.3f",
+            statistics.fmean(rewards[:5]),
+            statistics.fmean(rewards[-5:]),
+        )
+    log.info("demo finished in %.1f s; outputs in %s", time.time() - start, run.out)
+    return run.history
