@@ -100,10 +100,7 @@ def bench_hf(folder: Path, ids: torch.Tensor, steps: int) -> dict[str, float]:
             lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
             del lp
 
-    out = {"train_s": timed(train_step, steps), "logprobs_s": timed(logprob_step, steps)}
-    del model, opt
-    free()
-    return out
+    return {"train_s": timed(train_step, steps), "logprobs_s": timed(logprob_step, steps)}
 
 
 def bench_mcore_plain(
@@ -128,10 +125,7 @@ def bench_mcore_plain(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    out = {"train_s": timed(train_step, steps)}
-    del worker, model, opt
-    free()
-    return out
+    return {"train_s": timed(train_step, steps)}
 
 
 def bench_ours(
@@ -157,14 +151,11 @@ def bench_ours(
         sample_mask=torch.ones(b),
     )
     loss = NLLLoss()
-    out = {
+    return {
         "train_s": timed(lambda: worker.train(data, loss), steps),
         "logprobs_s": timed(lambda: worker.get_logprobs(data=data), steps),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0,
     }
-    del worker
-    free()
-    return out
 
 
 def main() -> None:

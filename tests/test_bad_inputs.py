@@ -116,7 +116,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     (folder / "config.json").write_text(cfg)
     with pytest.raises(
         UnsupportedModelError,
-        match="LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM",
+        match=r"LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM",
     ):
         make_worker(folder)
 
