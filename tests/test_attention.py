@@ -32,17 +32,18 @@ def test_packed_forward_through_megatron_matches_padded(llama_dir):
 
     worker = make_worker(llama_dir)
     model = worker.state.model.eval()
+    dev = worker.device
     torch.manual_seed(1)
     lengths = [7, 3, 10]
-    seqs = [torch.randint(0, 101, (n,)) for n in lengths]
-    cu = torch.tensor([0, 7, 10, 20], dtype=torch.int32)
+    seqs = [torch.randint(0, 101, (n,), device=dev) for n in lengths]
+    cu = torch.tensor([0, 7, 10, 20], dtype=torch.int32, device=dev)
     ids = torch.cat(seqs)[None, :]  # [1, T]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None, :]
+    pos = torch.cat([torch.arange(n, device=dev) for n in lengths])[None, :]
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=10, max_seqlen_kv=10
     )
     with torch.no_grad():
         packed = model(ids, pos, None, packed_seq_params=params)[0]  # [T, V]
         for s, start in zip(seqs, cu[:-1].tolist(), strict=True):
-            alone = model(s[None, :], torch.arange(len(s))[None, :], None)[0]
+            alone = model(s[None, :], torch.arange(len(s), device=dev)[None, :], None)[0]
             assert (packed[start : start + len(s)] - alone).abs().max() <= 1e-5

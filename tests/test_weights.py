@@ -19,7 +19,7 @@ def test_export_of_import_is_bit_exact(tmp_path, arch):
     folder = make_hf_model(tmp_path, arch)
     original = load_file(folder / "model.safetensors")
     worker = make_worker(folder)
-    exported = dict(worker.export_hf_weights())
+    exported = {n: t.cpu() for n, t in worker.export_hf_weights()}
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
