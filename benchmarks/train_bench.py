@@ -151,11 +151,21 @@ def bench_ours(
         sample_mask=torch.ones(b),
     )
     loss = NLLLoss()
-    return {
+    out = {
         "train_s": timed(lambda: worker.train(data, loss), steps),
         "logprobs_s": timed(lambda: worker.get_logprobs(data=data), steps),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0,
     }
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            worker.train(data, loss)
+            sync()
+        sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
+        Path(profile).write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    return out
 
 
 def main() -> None:
@@ -168,6 +178,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--mbs", type=int, default=0, help="micro-batch size for ours (0: = batch)")
     parser.add_argument("--out", default=None, help="also write the JSON line here")
+    parser.add_argument("--profile", default=None, help="write a profile of one train() step here")
     args = parser.parse_args()
 
     from transformers import LlamaForCausalLM
