@@ -129,7 +129,7 @@ def bench_mcore_plain(
 
 
 def bench_ours(
-    worker_cls, cfg_cls, folder: Path, ids: torch.Tensor, steps: int, mbs: int
+    worker_cls, cfg_cls, folder: Path, ids: torch.Tensor, steps: int, mbs: int, profile: str | None
 ) -> dict[str, float]:
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.losses import NLLLoss
