@@ -200,9 +200,17 @@ def main() -> None:
     tokens = args.batch * args.seq
     flops = flops_per_step(cfg, tokens, args.seq)
     ours = bench_ours(
-        MegatronPolicyWorker, PolicyConfig, folder, ids, args.steps, args.mbs or args.batch
+        MegatronPolicyWorker,
+        PolicyConfig,
+        folder,
+        ids,
+        args.steps,
+        args.mbs or args.batch,
+        args.profile,
     )
+    free()  # each bench ran in its own scope: its model is garbage now
     mcore = bench_mcore_plain(MegatronPolicyWorker, PolicyConfig, folder, ids, args.steps)
+    free()
     hf = bench_hf(folder, ids, args.steps)
 
     def mfu(seconds: float) -> float:
