@@ -20,19 +20,19 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m ruff check policyworker tests benchmarks
+	$(PY) -m ruff check policyworker tests benchmarks gpu_tests
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) -m policyworker demo --out runs/demo
 
 lint: $(STAMP)
-	$(PY) -m ruff check policyworker tests benchmarks
-	$(PY) -m ruff format --check policyworker tests benchmarks
+	$(PY) -m ruff check policyworker tests benchmarks gpu_tests
+	$(PY) -m ruff format --check policyworker tests benchmarks gpu_tests
 
 format: $(STAMP)
-	$(PY) -m ruff format policyworker tests benchmarks
-	$(PY) -m ruff check --fix policyworker tests benchmarks
+	$(PY) -m ruff format policyworker tests benchmarks gpu_tests
+	$(PY) -m ruff check --fix policyworker tests benchmarks gpu_tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

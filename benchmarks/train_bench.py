@@ -160,11 +160,17 @@ def bench_ours(
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            worker.train(data, loss)
-            sync()
         sort = "cuda_time_total" if DEVICE == "cuda" else "cpu_time_total"
-        Path(profile).write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+        tables = []
+        for name, step in (
+            ("train", lambda: worker.train(data, loss)),
+            ("get_logprobs", lambda: worker.get_logprobs(data=data)),
+        ):
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                sync()
+            tables.append(f"== {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=40))
+        Path(profile).write_text("\n".join(tables))
     return out
 
 

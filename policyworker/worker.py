@@ -141,13 +141,7 @@ class MegatronPolicyWorker:
         self, *, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""
-        mbs = self._check_mbs(micro_batch_size)
-        validate_batch(
-            data,
-            required=(),
-            max_seq_len=self.cfg.max_total_sequence_length,
-            vocab_size=self.shape.vocab_size,
-        )
+        mbs = self._check_inference_call(data, micro_batch_size)
         temperature = self.cfg.temperature
 
         def fn(
@@ -183,13 +177,7 @@ class MegatronPolicyWorker:
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
         if not isinstance(k, int) or not 1 <= k <= self.shape.vocab_size:
             raise ValueError(f"k: expected an int in [1, {self.shape.vocab_size}], got {k!r}")
-        mbs = self._check_mbs(micro_batch_size)
-        validate_batch(
-            data,
-            required=(),
-            max_seq_len=self.cfg.max_total_sequence_length,
-            vocab_size=self.shape.vocab_size,
-        )
+        mbs = self._check_inference_call(data, micro_batch_size)
 
         def fn(
             logits: torch.Tensor, mb: BatchedDataDict
@@ -278,10 +266,17 @@ class MegatronPolicyWorker:
     def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
         return dict(model.named_parameters())
 
-    def _check_mbs(self, micro_batch_size: int | None) -> int:
+    def _check_inference_call(self, data: BatchedDataDict, micro_batch_size: int | None) -> int:
+        """Validate a logprob/top-k call's batch and micro-batch size; returns the latter."""
         mbs = self.cfg.logprob_batch_size if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
+        validate_batch(
+            data,
+            required=(),
+            max_seq_len=self.cfg.max_total_sequence_length,
+            vocab_size=self.shape.vocab_size,
+        )
         return mbs
 
     def _check_batch_sizes(self, *, b: int, gbs: int, mbs: int) -> int:

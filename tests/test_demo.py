@@ -43,3 +43,29 @@ def test_group_advantages():
     adv = group_advantages([1.0, 0.0, 1.0, 0.0, 1.0, 1.0], group_size=2)
     assert adv[:4] == pytest.approx([1.0, -1.0, 1.0, -1.0], rel=1e-5)
     assert adv[4:] == [0.0, 0.0]
+
+
+def test_demo_on_a_user_checkpoint_and_jsonl(tmp_path):
+    """--model/--data: the user's HF folder (with its tokenizer) and prompt/answer pairs."""
+    from policyworker.demo.grpo import tiny_llama
+    from policyworker.demo.task import char_tokenizer
+
+    tok = char_tokenizer()
+    ckpt = tiny_llama(tmp_path / "ckpt", len(tok), seed=3)
+    tok.save_pretrained(ckpt)
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) for a in range(10)) + "\n")
+    out = tmp_path / "run"
+    main(["demo", "--model", str(ckpt), "--data", str(data), "--out", str(out), "sft_steps=2", "grpo_steps=2", "prompts_per_step=4", "group_size=2", "micro_batch_size=8", "sft_batch=8"])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["sft", "sft", "grpo", "grpo"]
+    assert (out / "hf" / "model.safetensors").exists()
+
+
+def test_bad_jsonl_names_the_line(tmp_path):
+    from policyworker.demo.task import load_jsonl
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_jsonl(path)

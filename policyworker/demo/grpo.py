@@ -197,7 +197,7 @@ class Run:
         if self.examples is None:
             examples = noisy_labels(self.rng, examples, cfg.sft_wrong_fraction)
         tok = self.tokenizer
-        prompts = [self.sampler._encode_prompt(e.prompt) for e in examples]
+        prompts = [self.sampler.encode_prompt(e.prompt) for e in examples]
         answers = [
             tok(e.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             for e in examples

@@ -54,7 +54,7 @@ class HFSampler:
         self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, seed: int
     ) -> Samples:
         tok = self.tokenizer
-        encoded = [self._encode_prompt(p) for p in prompts for _ in range(n)]
+        encoded = [self.encode_prompt(p) for p in prompts for _ in range(n)]
         width = max(len(e) for e in encoded)
         pad = tok.pad_token_id
         ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=self.device)
@@ -90,7 +90,7 @@ class HFSampler:
             prompt_ids=encoded, response_ids=responses, response_logprobs=lps, texts=texts
         )
 
-    def _encode_prompt(self, prompt: str) -> list[int]:
+    def encode_prompt(self, prompt: str) -> list[int]:
         ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         bos = self.tokenizer.bos_token_id
         return ([bos] if bos is not None else []) + ids
