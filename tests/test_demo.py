@@ -54,9 +54,28 @@ def test_demo_on_a_user_checkpoint_and_jsonl(tmp_path):
     ckpt = tiny_llama(tmp_path / "ckpt", len(tok), seed=3)
     tok.save_pretrained(ckpt)
     data = tmp_path / "tasks.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) for a in range(10)) + "\n")
+    data.write_text(
+        "\n".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) for a in range(10))
+        + "\n"
+    )
     out = tmp_path / "run"
-    main(["demo", "--model", str(ckpt), "--data", str(data), "--out", str(out), "sft_steps=2", "grpo_steps=2", "prompts_per_step=4", "group_size=2", "micro_batch_size=8", "sft_batch=8"])
+    main(
+        [
+            "demo",
+            "--model",
+            str(ckpt),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "sft_steps=2",
+            "grpo_steps=2",
+            "prompts_per_step=4",
+            "group_size=2",
+            "micro_batch_size=8",
+            "sft_batch=8",
+        ]
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["sft", "sft", "grpo", "grpo"]
     assert (out / "hf" / "model.safetensors").exists()

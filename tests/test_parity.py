@@ -63,3 +63,23 @@ def test_topk_matches_transformers(llama_dir):
     assert (out["topk_logits"] - vals * valid[..., None]).abs().max() <= 1e-4
     assert torch.equal(out["topk_indices"][valid], idx[valid])
     assert (out["topk_indices"][~valid] == 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_inference_logprobs_equal_the_differentiable_ones(llama_dir, temperature):
+    from policyworker.ops.logprobs import token_logprobs, token_logprobs_no_grad
+
+    make_worker(llama_dir)  # sets up torch.distributed and megatron's groups
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 50, generator=g) * 4
+    ids = torch.randint(0, 50, (3, 9), generator=g)
+    a = token_logprobs(logits, ids, temperature=temperature, tp_group=None)
+    b = token_logprobs_no_grad(logits, ids, temperature=temperature, tp_group=None, tp_rank=0)
+    ref = (
+        torch.log_softmax(logits[:, :-1].double() / temperature, -1)
+        .gather(-1, ids[:, 1:, None])
+        .squeeze(-1)
+    )
+    assert (a[:, 1:] - ref).abs().max() <= 1e-5 and (b[:, 1:] - ref).abs().max() <= 1e-5
+    assert (a[:, 0] == 0).all() and (b[:, 0] == 0).all()

@@ -145,7 +145,9 @@ def test_metrics_report_the_contract(llama_dir):
 
 
 def test_bfloat16_trains_with_fp32_master_weights(llama_dir):
-    worker = make_worker(llama_dir, precision="bfloat16", optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0))
+    worker = make_worker(
+        llama_dir, precision="bfloat16", optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0)
+    )
     assert next(worker.state.model.parameters()).dtype == torch.bfloat16
     masters = [p for g in worker.state.optimizer.param_groups for p in g["params"]]
     assert masters and all(p.dtype == torch.float32 for p in masters)

@@ -35,6 +35,55 @@ def token_logprobs(
     return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
 
 
+def _max_and_target(
+    x: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, inv_t: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x32 = x.float() * inv_t
+    picked = x32.gather(-1, target[:, None]).squeeze(-1)
+    return x32.amax(-1), torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def _sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
+    return torch.exp(x.float() * inv_t - row_max[:, None]).sum(-1)
+
+
+# On GPU each pass is one fused kernel reading the bf16 logits once: no fp32 copy of [B, S, V].
+_fused_max_and_target = torch.compile(_max_and_target, dynamic=True)
+_fused_sum_exp = torch.compile(_sum_exp, dynamic=True)
+
+
+@torch.no_grad()
+def token_logprobs_no_grad(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    *,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+    tp_rank: int,
+) -> torch.Tensor:
+    """`token_logprobs` for inference: same math (max, sum of exp, target logit, each reduced over
+    TP), without autograd state or a materialized fp32 copy of the logits."""
+    b, s, part = logits.shape
+    x = logits[:, :-1].reshape(-1, part)  # [N, V/tp]
+    local = input_ids[:, 1:].reshape(-1) - tp_rank * part
+    inside = (local >= 0) & (local < part)
+    local = local.clamp(0, part - 1)
+    fused = x.is_cuda
+    max_and_target = _fused_max_and_target if fused else _max_and_target
+    sum_exp = _fused_sum_exp if fused else _sum_exp
+    inv_t = 1.0 / temperature
+    row_max, picked = max_and_target(x, local, inside, inv_t)
+    parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
+    if parallel:
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        dist.all_reduce(picked, group=tp_group)
+    total = sum_exp(x, row_max, inv_t)
+    if parallel:
+        dist.all_reduce(total, group=tp_group)
+    lp = (picked - row_max - total.log()).reshape(b, s - 1)
+    return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
+
+
 def vocab_parallel_entropy(
     logits: torch.Tensor, *, temperature: float, tp_group: dist.ProcessGroup | None
 ) -> torch.Tensor:
