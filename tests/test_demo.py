@@ -86,5 +86,5 @@ def test_bad_jsonl_names_the_line(tmp_path):
 
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_jsonl(path)
