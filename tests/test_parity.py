@@ -69,11 +69,10 @@ def test_topk_matches_transformers(llama_dir):
 def test_inference_logprobs_equal_the_differentiable_ones(llama_dir, temperature):
     from policyworker.ops.logprobs import token_logprobs, token_logprobs_no_grad
 
-    make_worker(llama_dir)  # sets up torch.distributed and megatron's groups
-
+    dev = make_worker(llama_dir).device  # sets up torch.distributed and megatron's groups
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 9, 50, generator=g) * 4
-    ids = torch.randint(0, 50, (3, 9), generator=g)
+    logits = (torch.randn(3, 9, 50, generator=g) * 4).to(dev)
+    ids = torch.randint(0, 50, (3, 9), generator=g).to(dev)
     a = token_logprobs(logits, ids, temperature=temperature, tp_group=None)
     b = token_logprobs_no_grad(logits, ids, temperature=temperature, tp_group=None, tp_rank=0)
     ref = (
