@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from helpers import make_batch, make_hf_model
+from helpers import hf_logprobs, make_batch, make_hf_model
 
 from policyworker.config import PolicyConfig
 from policyworker.losses import NLLLoss
@@ -32,24 +31,6 @@ MEDIUM = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
-
-
-def _hf_lp(folder, data, dtype):
-    model = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype, attn_implementation="sdpa"
-        )
-        .cuda()
-        .eval()
-    )
-    ids = data["input_ids"].cuda()
-    mask = (
-        torch.arange(ids.shape[1], device="cuda")[None] < data["input_lengths"].cuda()[:, None]
-    ).long()
-    with torch.no_grad():
-        logits = model(ids, attention_mask=mask).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return (torch.cat([torch.zeros_like(lp[:, :1]), lp], 1) * mask).cpu()
 
 
 def _worker(folder, precision):
@@ -73,9 +54,9 @@ def test_parity_on_gpu(tmp_path, arch):
     data = make_batch(batch=6, seq=200, vocab=1024, lengths=[200, 17, 133, 64, 1, 190])
     valid = torch.arange(200)[None] < data["input_lengths"][:, None]
     fp32 = _worker(folder, "float32").get_logprobs(data=data)["logprobs"]
-    hf32 = _hf_lp(folder, data, torch.float32)
+    hf32 = hf_logprobs(folder, data, dtype=torch.float32, device="cuda")
     bf16 = _worker(folder, "bfloat16").get_logprobs(data=data)["logprobs"]
-    hf16 = _hf_lp(folder, data, torch.bfloat16)
+    hf16 = hf_logprobs(folder, data, dtype=torch.bfloat16, device="cuda")
     r = {
         "fp32_vs_hf_fp32_max": (fp32 - hf32)[valid].abs().max().item(),
         "bf16_vs_hf_bf16_max": (bf16 - hf16)[valid].abs().max().item(),

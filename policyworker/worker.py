@@ -247,6 +247,16 @@ class MegatronPolicyWorker:
             self.step += len(results)
         return _summarize(results)
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Restart the schedule at a new peak lr (e.g. SFT warm-up, then RL at a smaller lr)."""
+        if self.state.scheduler is None:
+            raise ValueError("init_optimizer=False: this worker has no optimizer")
+        if not lr > 0:
+            raise ValueError(f"lr: expected > 0, got {lr!r}")
+        self.state.scheduler.max_lr = lr
+        for group in self.state.optimizer.param_groups:
+            group["max_lr"] = group["lr"] = lr
+
     # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

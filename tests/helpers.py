@@ -77,16 +77,24 @@ def make_batch(
     )
 
 
-def hf_logprobs(folder: Path, data: BatchedDataDict, *, temperature: float = 1.0) -> torch.Tensor:
-    """Reference logprobs from transformers, same alignment as the worker's."""
+def hf_logprobs(
+    folder: Path,
+    data: BatchedDataDict,
+    *,
+    temperature: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> torch.Tensor:
+    """Reference logprobs from transformers (SDPA), same alignment as the worker's; on CPU."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, torch_dtype=torch.float32
-    ).eval()
-    ids = data["input_ids"]
-    lengths = data["input_lengths"]
-    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+        folder, dtype=dtype, attn_implementation="sdpa"
+    )
+    model = model.to(device).eval()
+    ids = data["input_ids"].to(device)
+    lengths = data["input_lengths"].to(device)
+    mask = (torch.arange(ids.shape[1], device=device)[None, :] < lengths[:, None]).long()
     with torch.no_grad():
         logits = model(ids, attention_mask=mask).logits.float() / temperature
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    out = torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
-    return out * mask
+    out = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    return (out * mask).cpu()

@@ -157,3 +157,13 @@ def test_bfloat16_trains_with_fp32_master_weights(llama_dir):
     # bf16 logprobs stay close to the fp32 reference of the same (initial) weights
     ref = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
     assert (ref - hf_logprobs(llama_dir, data)).abs().max() < 0.1
+
+
+def test_set_learning_rate(llama_dir):
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-3))
+    data = make_batch(batch=4, seq=12)
+    assert worker.train(data, NLLLoss())["lr"] == pytest.approx(1e-3)
+    worker.set_learning_rate(2e-4)
+    assert worker.train(data, NLLLoss())["lr"] == pytest.approx(2e-4)
+    with pytest.raises(ValueError, match="lr"):
+        worker.set_learning_rate(0.0)

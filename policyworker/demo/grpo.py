@@ -264,9 +264,7 @@ def run_demo(cfg: DemoConfig) -> list[dict]:
         bar.set_postfix(phase="sft", loss=f"{row['loss']:.3f}")
         if step % 50 == 0 or step == cfg.sft_steps - 1:  # SFT steps are many and fast
             tqdm.write(f"sft  step {step:4d}  loss {row['loss']:.4f}")
-    for group in run.worker.state.optimizer.param_groups:
-        group["max_lr"] = group["lr"] = cfg.grpo_lr
-    run.worker.state.scheduler.max_lr = cfg.grpo_lr
+    run.worker.set_learning_rate(cfg.grpo_lr)
     loss_fn = ClippedPGLoss(cfg.loss)
     for i in range(cfg.grpo_steps):
         row = run.grpo_step(cfg.sft_steps + i, loss_fn)
