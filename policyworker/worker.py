@@ -33,7 +33,7 @@ from policyworker.model.build import build_gpt_model
 from policyworker.model.hf_config import check_sliding_window, model_shape
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.weights import SafetensorsReader, export_hf_weights, load_hf_weights
-from policyworker.ops.logprobs import token_logprobs_no_grad, topk_logits
+from policyworker.ops.logprobs import token_logprobs, topk_logits
 from policyworker.parallel.dims import Groups, ParallelDims, init_distributed, init_model_parallel
 from policyworker.train.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from policyworker.train.step import run_microbatches, train_global_batch, trim_to_longest
@@ -147,7 +147,7 @@ class MegatronPolicyWorker:
         def fn(
             logits: torch.Tensor, mb: BatchedDataDict
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            lp = token_logprobs_no_grad(
+            lp = token_logprobs(
                 logits,
                 mb["input_ids"],
                 temperature=temperature,

@@ -66,19 +66,25 @@ def test_topk_matches_transformers(llama_dir):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_inference_logprobs_equal_the_differentiable_ones(llama_dir, temperature):
-    from policyworker.ops.logprobs import token_logprobs, token_logprobs_no_grad
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_values_and_gradient(llama_dir, temperature, dtype):
+    """Against float64 autograd of log_softmax: values and the gradient w.r.t. the logits."""
+    from policyworker.ops.logprobs import token_logprobs
 
     dev = make_worker(llama_dir).device  # sets up torch.distributed and megatron's groups
     g = torch.Generator().manual_seed(0)
-    logits = (torch.randn(3, 9, 50, generator=g) * 4).to(dev)
+    logits = (torch.randn(3, 9, 50, generator=g) * 4).to(dev, dtype).requires_grad_(True)
     ids = torch.randint(0, 50, (3, 9), generator=g).to(dev)
-    a = token_logprobs(logits, ids, temperature=temperature, tp_group=None)
-    b = token_logprobs_no_grad(logits, ids, temperature=temperature, tp_group=None, tp_rank=0)
+    weights = torch.randn(3, 9, generator=g).to(dev)
+    ours = token_logprobs(logits, ids, temperature=temperature, tp_group=None, tp_rank=0)
+    (ours * weights).sum().backward()
+    ref_in = logits.detach().double().requires_grad_(True)
     ref = (
-        torch.log_softmax(logits[:, :-1].double() / temperature, -1)
-        .gather(-1, ids[:, 1:, None])
-        .squeeze(-1)
+        torch.log_softmax(ref_in[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     )
-    assert (a[:, 1:] - ref).abs().max() <= 1e-5 and (b[:, 1:] - ref).abs().max() <= 1e-5
-    assert (a[:, 0] == 0).all() and (b[:, 0] == 0).all()
+    (ref * weights[:, 1:].double()).sum().backward()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (ours[:, 0] == 0).all()
+    assert (ours[:, 1:].double() - ref).abs().max() <= tol
+    assert logits.grad.dtype == dtype
+    assert (logits.grad.double() - ref_in.grad).abs().max() <= tol

@@ -1,8 +1,9 @@
 """Token logprobs, top-k and entropy from vocab-parallel logits.
 
 Logits arrive as megatron's output layer leaves them: `[B, S, V/tp]`, this TP rank's slice of the
-vocabulary. Everything here is exact under any TP size: the log-softmax uses megatron's
-`vocab_parallel_cross_entropy` (all-reduce MAX, then SUM of exp; local backward), top-k gathers the
+vocabulary. Everything here is exact under any TP size: the log-softmax reduces the row max
+(all-reduce MAX), the sum of exp and the target's logit (all-reduce SUM) over the TP group, and the
+backward is local, `(onehot - softmax) / temperature` on each rank's slice. Top-k gathers the
 per-rank candidates.
 
 Alignment (REFERENCE.md): `logprobs[:, i] = log p(ids[:, i] | ids[:, :i])`, position 0 is 0.
@@ -10,29 +11,10 @@ Alignment (REFERENCE.md): `logprobs[:, i] = log p(ids[:, i] | ids[:, :i])`, posi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    temperature: float,
-    tp_group: dist.ProcessGroup | None,
-) -> torch.Tensor:
-    """fp32 logprobs [B, S] of `input_ids` under `logits / temperature` [B, S, V/tp].
-
-    Differentiable; megatron's kernel takes any leading dims, so no transpose is needed.
-    """
-    # A fresh fp32 copy: megatron's kernel consumes its input in place; `logits` stays intact.
-    scaled = logits[:, :-1].to(torch.float32, copy=True).contiguous()  # [B, S-1, V/tp]
-    if temperature != 1.0:
-        scaled.div_(temperature)
-    nll = vocab_parallel_cross_entropy(scaled, input_ids[:, 1:].contiguous(), tp_group=tp_group)
-    lp = -nll  # [B, S-1]
-    return torch.cat([lp.new_zeros(lp.shape[0], 1), lp], dim=1)
 
 
 def _max_and_target(
@@ -47,13 +29,66 @@ def _sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tens
     return torch.exp(x.float() * inv_t - row_max[:, None]).sum(-1)
 
 
-# On GPU each pass is one fused kernel reading the bf16 logits once: no fp32 copy of [B, S, V].
-_fused_max_and_target = torch.compile(_max_and_target, dynamic=True)
-_fused_sum_exp = torch.compile(_sum_exp, dynamic=True)
+def _grad_logits(
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    inside: torch.Tensor,
+    grad: torch.Tensor,
+    inv_t: float,
+) -> torch.Tensor:
+    """d logprob / d logits = (onehot(target) - softmax) / temperature, times the incoming grad."""
+    softmax = torch.exp(x.float() * inv_t - lse[:, None])
+    cols = torch.arange(x.shape[-1], device=x.device)[None, :]
+    onehot = ((cols == target[:, None]) & inside[:, None]).float()
+    return ((onehot - softmax) * (grad * inv_t)[:, None]).to(x.dtype)
 
 
-@torch.no_grad()
-def token_logprobs_no_grad(
+# On GPU each pass is one fused kernel that reads the (bf16) logits once: no fp32 [B, S, V] copy.
+_FUSED = {fn: torch.compile(fn, dynamic=True) for fn in (_max_and_target, _sum_exp, _grad_logits)}
+
+
+def _kernel(fn: Any, x: torch.Tensor) -> Any:
+    return _FUSED[fn] if x.is_cuda else fn
+
+
+class _TokenLogprob(torch.autograd.Function):
+    """logprob[n] = x[n, target[n]] / T - logsumexp(x[n] / T), x vocab-parallel [N, V/tp]."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        target: torch.Tensor,
+        inv_t: float,
+        tp_group: dist.ProcessGroup | None,
+        tp_rank: int,
+    ) -> torch.Tensor:
+        part = x.shape[-1]
+        local = target - tp_rank * part
+        inside = (local >= 0) & (local < part)
+        local = local.clamp(0, part - 1)
+        row_max, picked = _kernel(_max_and_target, x)(x, local, inside, inv_t)
+        parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
+        if parallel:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+            dist.all_reduce(picked, group=tp_group)
+        total = _kernel(_sum_exp, x)(x, row_max, inv_t)
+        if parallel:
+            dist.all_reduce(total, group=tp_group)
+        lse = row_max + total.log()
+        ctx.save_for_backward(x, lse, local, inside)
+        ctx.inv_t = inv_t
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, lse, local, inside = ctx.saved_tensors
+        grad_x = _kernel(_grad_logits, x)(x, lse, local, inside, grad.contiguous(), ctx.inv_t)
+        return grad_x, None, None, None, None
+
+
+def token_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
     *,
@@ -61,27 +96,17 @@ def token_logprobs_no_grad(
     tp_group: dist.ProcessGroup | None,
     tp_rank: int,
 ) -> torch.Tensor:
-    """`token_logprobs` for inference: same math (max, sum of exp, target logit, each reduced over
-    TP), without autograd state or a materialized fp32 copy of the logits."""
+    """fp32 logprobs [B, S] of `input_ids` under `logits / temperature` [B, S, V/tp]; differentiable.
+
+    Runs over all S positions (the last one's target is a dummy and its value is dropped), so the
+    logits need no slicing and their gradient no scatter back into a padded tensor.
+    """
     b, s, part = logits.shape
-    x = logits[:, :-1].reshape(-1, part)  # [N, V/tp]
-    local = input_ids[:, 1:].reshape(-1) - tp_rank * part
-    inside = (local >= 0) & (local < part)
-    local = local.clamp(0, part - 1)
-    fused = x.is_cuda
-    max_and_target = _fused_max_and_target if fused else _max_and_target
-    sum_exp = _fused_sum_exp if fused else _sum_exp
-    inv_t = 1.0 / temperature
-    row_max, picked = max_and_target(x, local, inside, inv_t)
-    parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
-    if parallel:
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-        dist.all_reduce(picked, group=tp_group)
-    total = sum_exp(x, row_max, inv_t)
-    if parallel:
-        dist.all_reduce(total, group=tp_group)
-    lp = (picked - row_max - total.log()).reshape(b, s - 1)
-    return torch.cat([lp.new_zeros(b, 1), lp], dim=1)
+    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)  # next token
+    lp = _TokenLogprob.apply(
+        logits.reshape(-1, part), targets.reshape(-1), 1.0 / temperature, tp_group, tp_rank
+    ).reshape(b, s)
+    return torch.cat([lp.new_zeros(b, 1), lp[:, :-1]], dim=1)
 
 
 def vocab_parallel_entropy(

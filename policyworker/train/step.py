@@ -125,7 +125,13 @@ def make_loss_fn(
         entropy = None
         if loss_fn.needs_entropy:
             entropy = vocab_parallel_entropy(logits, temperature=temperature, tp_group=groups.tp)
-        lp = token_logprobs(logits, mb["input_ids"], temperature=temperature, tp_group=groups.tp)
+        lp = token_logprobs(
+            logits,
+            mb["input_ids"],
+            temperature=temperature,
+            tp_group=groups.tp,
+            tp_rank=groups.tp_rank,
+        )
         return loss_fn(
             lp,
             mb,
