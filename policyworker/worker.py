@@ -133,7 +133,6 @@ class MegatronPolicyWorker:
         self.state = PolicyState(
             model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
         )
-        self.step = 0
 
     # --- inference -------------------------------------------------------------------------------
 
@@ -243,8 +242,6 @@ class MegatronPolicyWorker:
                     eval_mode=eval_mode,
                 )
             )
-        if not eval_mode:
-            self.step += len(results)
         return _summarize(results)
 
     def set_learning_rate(self, lr: float) -> None:
