@@ -230,7 +230,7 @@ class Run:
         rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
         batch = grpo_batch(samples, rewards, cfg.group_size, self.tokenizer.pad_token_id)
         batch["prev_logprobs"] = self.worker.get_logprobs(data=batch)["logprobs"]
-        if loss_fn.cfg.reference_policy_kl_penalty > 0:
+        if "reference_policy_logprobs" in loss_fn.required_keys:  # only with a KL penalty
             ref = self.worker.get_reference_policy_logprobs(data=batch)
             batch["reference_policy_logprobs"] = ref["reference_logprobs"]
         m = self.worker.train(batch, loss_fn)

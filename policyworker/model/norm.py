@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from policyworker.ops.compiled import cuda_compiled
 
+
+@cuda_compiled
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * (x / sqrt(mean(x^2) + eps))` in fp32, cast back to x's dtype before the weight."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-_fused_rms_norm = torch.compile(rms_norm, dynamic=True)
 
 
 class RMSNorm(torch.nn.Module):
@@ -34,5 +34,4 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fn = _fused_rms_norm if x.is_cuda else rms_norm
-        return fn(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)

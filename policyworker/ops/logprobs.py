@@ -1,7 +1,8 @@
 """Token logprobs, top-k and entropy from vocab-parallel logits.
 
 Logits arrive as megatron's output layer leaves them: `[B, S, V/tp]`, this TP rank's slice of the
-vocabulary. Everything here is exact under any TP size: the log-softmax reduces the row max
+vocabulary. The three logit passes are `cuda_compiled`: on GPU each is one fused kernel reading the
+(bf16) logits once, with no fp32 [B, S, V] copy. Everything here is exact under any TP size: the log-softmax reduces the row max
 (all-reduce MAX), the sum of exp and the target's logit (all-reduce SUM) over the TP group, and the
 backward is local, `(onehot - softmax) / temperature` on each rank's slice. Top-k gathers the
 per-rank candidates.
@@ -16,7 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from policyworker.ops.compiled import cuda_compiled
 
+
+@cuda_compiled
 def _max_and_target(
     x: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, inv_t: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,10 +29,12 @@ def _max_and_target(
     return x32.amax(-1), torch.where(inside, picked, torch.zeros_like(picked))
 
 
+@cuda_compiled
 def _sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
     return torch.exp(x.float() * inv_t - row_max[:, None]).sum(-1)
 
 
+@cuda_compiled
 def _grad_logits(
     x: torch.Tensor,
     lse: torch.Tensor,
@@ -42,14 +48,6 @@ def _grad_logits(
     cols = torch.arange(x.shape[-1], device=x.device)[None, :]
     onehot = ((cols == target[:, None]) & inside[:, None]).float()
     return ((onehot - softmax) * (grad * inv_t)[:, None]).to(x.dtype)
-
-
-# On GPU each pass is one fused kernel that reads the (bf16) logits once: no fp32 [B, S, V] copy.
-_FUSED = {fn: torch.compile(fn, dynamic=True) for fn in (_max_and_target, _sum_exp, _grad_logits)}
-
-
-def _kernel(fn: Any, x: torch.Tensor) -> Any:
-    return _FUSED[fn] if x.is_cuda else fn
 
 
 class _TokenLogprob(torch.autograd.Function):
@@ -68,12 +66,12 @@ class _TokenLogprob(torch.autograd.Function):
         local = target - tp_rank * part
         inside = (local >= 0) & (local < part)
         local = local.clamp(0, part - 1)
-        row_max, picked = _kernel(_max_and_target, x)(x, local, inside, inv_t)
+        row_max, picked = _max_and_target(x, local, inside, inv_t)
         parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
         if parallel:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
             dist.all_reduce(picked, group=tp_group)
-        total = _kernel(_sum_exp, x)(x, row_max, inv_t)
+        total = _sum_exp(x, row_max, inv_t)
         if parallel:
             dist.all_reduce(total, group=tp_group)
         lse = row_max + total.log()
@@ -84,7 +82,7 @@ class _TokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, lse, local, inside = ctx.saved_tensors
-        grad_x = _kernel(_grad_logits, x)(x, lse, local, inside, grad.contiguous(), ctx.inv_t)
+        grad_x = _grad_logits(x, lse, local, inside, grad.contiguous(), ctx.inv_t)
         return grad_x, None, None, None, None
 
 
