@@ -128,6 +128,23 @@ def bench_mcore_plain(
     return {"train_s": timed(train_step, steps)}
 
 
+def by_call_site(prof: object, rows: int = 30) -> str:
+    """The costliest ops with the Python frames that issued them (torch's table omits stacks)."""
+
+    def cost(e: object) -> float:
+        return e.self_device_time_total if DEVICE == "cuda" else e.self_cpu_time_total
+
+    ranked = sorted(prof.key_averages(group_by_stack_n=8), key=cost, reverse=True)
+    # the top rows, then every sizeable copy (layout copies are the avoidable cost)
+    copies = ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat")
+    events = ranked[:rows] + [e for e in ranked[rows:] if e.key in copies and cost(e) > 200]
+    lines = []
+    for e in events:
+        frames = " <- ".join(f for f in e.stack if "site-packages/torch/" not in f)
+        lines.append(f"{cost(e) / 1e3:9.3f} ms  {e.count:5d}x  {e.key}  @ {frames}")
+    return "\n".join(lines)
+
+
 def bench_ours(
     worker_cls, cfg_cls, folder: Path, ids: torch.Tensor, steps: int, mbs: int, profile: str | None
 ) -> dict[str, float]:
@@ -166,10 +183,16 @@ def bench_ours(
             ("train", lambda: worker.train(data, loss)),
             ("get_logprobs", lambda: worker.get_logprobs(data=data)),
         ):
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            # verbose: keep Python stacks for by_call_site (torch drops them otherwise)
+            verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
+            with torch_profile(
+                activities=activities, with_stack=True, experimental_config=verbose
+            ) as prof:
                 step()
                 sync()
             tables.append(f"== {name}\n" + prof.key_averages().table(sort_by=sort, row_limit=40))
+            tables.append(f"== {name} by call site\n" + by_call_site(prof))
         Path(profile).write_text("\n".join(tables))
     return out
 

@@ -125,9 +125,7 @@ class MegatronPolicyWorker:
         ddp = optimizer = scheduler = None
         if init_optimizer:
             ddp = wrap_ddp(model)
-            optimizer = build_optimizer(
-                ddp, config.optimizer, params_dtype=self.dtype, max_grad_norm=config.max_grad_norm
-            )
+            optimizer = build_optimizer(ddp, config.optimizer, params_dtype=self.dtype)
             scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
         reference = ReferenceWeights(self._params(model)) if init_reference_model else None
         self.state = PolicyState(
@@ -238,6 +236,7 @@ class MegatronPolicyWorker:
                     loss_fn=loss_fn,
                     micro_batch_size=mbs,
                     temperature=self.cfg.temperature,
+                    max_grad_norm=self.cfg.max_grad_norm,
                     groups=self.groups,
                     eval_mode=eval_mode,
                 )

@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+import transformers
 from conftest import make_worker
 from helpers import hf_logprobs, make_batch
 
@@ -154,6 +155,12 @@ def test_bfloat16_trains_with_fp32_master_weights(llama_dir):
     data = make_batch(batch=4, seq=12, seed=1)
     losses = [worker.train(data, NLLLoss())["loss"] for _ in range(4)]
     assert losses[-1] < losses[0] - 0.2
+    # the bf16 weights are the rounded fp32 masters after every step
+    (part,) = worker.state.optimizer.chained_optimizers
+    models = itertools.chain.from_iterable(part.float16_groups)
+    mains = itertools.chain.from_iterable(part.fp32_from_float16_groups)
+    for model_p, main_p in zip(models, mains, strict=True):
+        assert torch.equal(model_p, main_p.to(torch.bfloat16))
     # bf16 logprobs stay close to the fp32 reference of the same (initial) weights
     ref = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
     assert (ref - hf_logprobs(llama_dir, data)).abs().max() < 0.1
@@ -167,3 +174,48 @@ def test_set_learning_rate(llama_dir):
     assert worker.train(data, NLLLoss())["lr"] == pytest.approx(2e-4)
     with pytest.raises(ValueError, match="lr"):
         worker.set_learning_rate(0.0)
+
+
+def _torch_reference_steps(folder, batches, *, lr, eps, weight_decay, max_grad_norm):
+    """The same steps in plain torch on the HF model: NLL / global tokens, clip_grad_norm_, AdamW
+    (megatron's default: no weight decay on 1-D params)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    opt = torch.optim.AdamW(
+        [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        eps=eps,
+        weight_decay=weight_decay,
+        foreach=True,
+    )
+    norms = []
+    for data in batches:
+        ids = data["input_ids"]
+        mask = (torch.arange(ids.shape[1])[None, :] < data["input_lengths"][:, None]).long()
+        logits = model(ids, attention_mask=mask).logits
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        tok = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+        loss = -(lp * tok).sum() / (tok.sum() + 1e-8)
+        opt.zero_grad()
+        loss.backward()
+        clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return dict(model.named_parameters()), norms
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["no-clip", "clip"])
+def test_steps_equal_plain_torch(llama_dir, max_grad_norm):
+    """Two optimizer steps equal HF + torch clip_grad_norm_ + AdamW (Adam's eps is large so
+    that the update depends on the gradient's scale, i.e. on the clip)."""
+    hp = dict(lr=1e-2, eps=1e-2, weight_decay=0.1)
+    batches = [make_batch(batch=4, seq=14, seed=s) for s in (1, 2)]
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(**hp), max_grad_norm=max_grad_norm)
+    norms = [worker.train(b, NLLLoss())["grad_norm"] for b in batches]
+    ref, ref_norms = _torch_reference_steps(llama_dir, batches, max_grad_norm=max_grad_norm, **hp)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    if max_grad_norm:
+        assert min(norms) > 2 * max_grad_norm  # both steps were clipped
+    for name, tensor in worker.export_hf_weights():
+        torch.testing.assert_close(tensor.cpu(), ref[name].detach(), rtol=0, atol=2e-6, msg=name)

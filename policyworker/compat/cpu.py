@@ -3,15 +3,15 @@
 megatron-core assumes CUDA in a few places that our code paths reach:
 
 * `device="cuda"` literals and `torch.cuda.current_device()` used as a device (RoPE, the
-  DDP grad buffers, the pipeline schedules, grad clipping, the optimizers);
+  DDP grad buffers, the pipeline schedules, the optimizers);
 * `torch.cuda.synchronize` / streams / events / `torch.cuda.manual_seed`;
 * the CUDA RNG tracker's get/set of the CUDA generator state;
-* `tensor.type() == "torch.cuda.FloatTensor"` checks in grad clipping and the fp16/bf16
-  optimizer.
+* `tensor.type()` CUDA type strings that the fp16/bf16 optimizer sorts parameters by.
+
+(megatron's grad clipping is not reached: `train.optimizer.optimizer_step` clips.)
 
 Rather than patching torch itself, each affected megatron module gets its own `torch` name bound to
-a proxy that forwards everything to torch except CUDA devices, which it maps to the CPU. Functions
-that test type strings are replaced with CPU versions. Everything here is a no-op when CUDA is
+a proxy that forwards everything to torch except CUDA devices, which it maps to the CPU. Everything here is a no-op when CUDA is
 available, and asserts the megatron-core version it was written against.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -164,27 +164,6 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
     torch.set_rng_state(new_state)
 
 
-def _cpu_clip_grad_by_total_norm_fp32(
-    parameters: Iterable[torch.Tensor] | torch.Tensor,
-    max_norm: float,
-    total_norm: float,
-    use_decoupled_grad: bool = False,
-) -> None:
-    """megatron's version asserts `grad.type() == 'torch.cuda.FloatTensor'`; same math here."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if isinstance(clip_coeff, torch.Tensor):
-        clip_coeff = clip_coeff.clamp_max(1.0)
-        for g in grads:
-            g.mul_(clip_coeff)
-    elif clip_coeff < 1.0:
-        for g in grads:
-            g.mul_(clip_coeff)
-
-
 @contextlib.contextmanager
 def _cuda_type_strings() -> Iterator[None]:
     """Let `tensor.type()` report CUDA type names while a megatron optimizer is built on CPU.
@@ -241,10 +220,7 @@ def apply_cpu_patches() -> bool:
     random._get_cuda_rng_state = _cpu_get_rng_state
     random._set_cuda_rng_state = _cpu_set_rng_state
 
-    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-    clip_grads.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
-    optimizer.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     _wrap_init_with_cuda_type_strings(optimizer.Float16OptimizerWithFloat16Params)
     _active = True
     return True

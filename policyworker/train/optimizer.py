@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    MegatronOptimizer,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 
@@ -43,9 +49,8 @@ def build_optimizer(
     cfg: OptimizerConfig,
     *,
     params_dtype: torch.dtype,
-    max_grad_norm: float,
 ) -> MegatronOptimizer:
-    """Adam(W) with fp32 master weights for bf16 params; clipping by the global grad norm."""
+    """Adam(W) with fp32 master weights for bf16 params; `optimizer_step` clips and steps it."""
     mcore_cfg = McoreOptimizerConfig(
         optimizer="adam",
         lr=cfg.lr,
@@ -56,26 +61,80 @@ def build_optimizer(
         adam_eps=cfg.eps,
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
-        clip_grad=max_grad_norm,
+        clip_grad=0.0,  # clipping is folded into the Adam kernel by `optimizer_step`
         use_distributed_optimizer=False,
     )
     optimizer = get_megatron_optimizer(mcore_cfg, [ddp])
-    if torch.cuda.is_available():
-        _use_fused_adamw(optimizer)
+    _use_fused_adamw(optimizer)
     return optimizer
 
 
-def _use_fused_adamw(optimizer: MegatronOptimizer) -> None:
-    """Without TE/apex megatron falls back to torch AdamW (foreach); its fused kernel is faster.
+def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+    if isinstance(optimizer, ChainedOptimizer):
+        return list(optimizer.chained_optimizers)
+    return [optimizer]
 
-    Both read the per-group flags at every step, so switching after construction is enough.
+
+def _use_fused_adamw(optimizer: MegatronOptimizer) -> None:
+    """Without TE/apex megatron falls back to torch AdamW (foreach); we switch it to the fused
+    kernel (CPU and CUDA), which is faster and takes `grad_scale`, the hook `optimizer_step` uses
+    to clip. The flags are read at every step, so switching after construction is enough.
     """
-    inner = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    for opt in inner:
-        torch_opt = opt.optimizer
-        if isinstance(torch_opt, torch.optim.AdamW):
-            for group in torch_opt.param_groups:
-                group["fused"], group["foreach"] = True, False
+    for part in _parts(optimizer):
+        torch_opt = part.optimizer
+        if not isinstance(torch_opt, torch.optim.AdamW):
+            raise TypeError(f"expected megatron to build torch AdamW, got {type(torch_opt)}")
+        for group in torch_opt.param_groups:
+            group["fused"], group["foreach"] = True, False
+
+
+@torch.no_grad()
+def optimizer_step(
+    optimizer: MegatronOptimizer, *, max_grad_norm: float, device: torch.device
+) -> tuple[bool, float]:
+    """Clip by the global grad norm and step; returns (applied, grad norm before clipping).
+
+    The phases of megatron's own `step()`, on its optimizer, with torch's multi-tensor ops: without
+    TE/apex megatron's helpers loop per tensor (its l2 norm syncs the host once per tensor, its
+    clip and master->model copy allocate a temporary per tensor). Here: one multi-tensor norm and
+    one host sync; the clip folded into fused AdamW's `grad_scale` (the kernel divides each
+    gradient as it reads it); one multi-tensor master->model copy. A non-finite norm (NaN or inf
+    in any gradient, on any rank of the grad-stats group) applies nothing.
+    """
+    parts = _parts(optimizer)
+    for part in parts:
+        part.prepare_grads()  # main params' .grad <- DDP's fp32 main_grad (views, no copy)
+    norm = global_grad_norm(parts, device)
+    if not math.isfinite(norm):
+        return False, norm
+    divisor = (norm + 1.0e-6) / max_grad_norm if max_grad_norm > 0 else 1.0
+    grad_scale = torch.full((), divisor, device=device) if divisor > 1.0 else None
+    for part in parts:
+        torch_opt = part.optimizer
+        torch_opt.grad_scale = grad_scale  # type: ignore[attr-defined]  # read by Adam.step
+        try:
+            torch_opt.step()
+        finally:
+            torch_opt.grad_scale = None  # type: ignore[attr-defined]
+        if isinstance(part, Float16OptimizerWithFloat16Params):
+            model = [p for g in part.float16_groups for p in g]
+            main = [p for g in part.fp32_from_float16_groups for p in g]
+            torch._foreach_copy_(model, main)
+    return True, norm
+
+
+def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> float:
+    """L2 norm of all gradients, each counted once (megatron drops TP duplicates and shared
+    embeddings from `get_grads_for_grad_norm`), summed over each part's grad-stats group."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for part in parts:
+        grads = part.get_grads_for_grad_norm()
+        sq = torch.zeros(1, dtype=torch.float32, device=device)
+        if grads:
+            sq += torch.stack(torch._foreach_norm(grads)).float().square().sum()
+        dist.all_reduce(sq, group=part.get_grad_stats_parallel_group())
+        total += sq[0]
+    return math.sqrt(float(total))
 
 
 def build_scheduler(
@@ -95,15 +154,3 @@ def build_scheduler(
         wd_incr_steps=sched.decay_steps,
         wd_incr_style="constant",
     )
-
-
-def grads_are_finite(ddp: DistributedDataParallel, group: dist.ProcessGroup | None = None) -> bool:
-    """Whether every reduced gradient in DDP's buffers is finite, agreed over `group` (all ranks).
-
-    One fp32 sum per buffer: NaN or inf anywhere makes the sum non-finite. (A sum of finite fp32
-    gradients overflows only past ~1e38; such a step is better skipped anyway.)
-    """
-    sums = torch.stack([b.grad_data.sum() for b in [*ddp.buffers, *ddp.expert_parallel_buffers]])
-    bad = (~torch.isfinite(sums)).any().float().reshape(1)
-    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
-    return bool(bad.item() == 0)

@@ -19,9 +19,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses.common import LossFunction, global_counts
+from policyworker.model.build import batch_major_logits
 from policyworker.ops.logprobs import token_logprobs, vocab_parallel_entropy
 from policyworker.parallel.dims import Groups
-from policyworker.train.optimizer import grads_are_finite
+from policyworker.train.optimizer import optimizer_step
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def run_microbatches(
         mb = next(data_iterator)
         ids = mb["input_ids"]
         pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        logits = model(ids, pos, None)  # [B, S, V/tp] on the last stage
+        # [B, S, V/tp] on the last stage (hidden states on the others)
+        logits = model(ids, pos, None, output_processor=batch_major_logits)
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             loss, metrics = fn(output, mb)
@@ -152,6 +154,7 @@ def train_global_batch(
     loss_fn: LossFunction,
     micro_batch_size: int,
     temperature: float,
+    max_grad_norm: float,
     groups: Groups,
     eval_mode: bool,
 ) -> StepResult:
@@ -181,20 +184,13 @@ def train_global_batch(
     metrics["num_microbatches"] = float(len(microbatches))
     if eval_mode:
         return StepResult(metrics=metrics, grad_norm=0.0, applied=False, skipped=False, lr=lr)
-    if not grads_are_finite(ddp):
+    applied, grad_norm = optimizer_step(optimizer, max_grad_norm=max_grad_norm, device=device)
+    if applied:
+        scheduler.step(increment=1)
+    else:
         log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        return StepResult(
-            metrics=metrics, grad_norm=float("nan"), applied=False, skipped=True, lr=lr
-        )
-    applied, grad_norm, _ = optimizer.step()
-    if applied:
-        scheduler.step(increment=1)
     return StepResult(
-        metrics=metrics,
-        grad_norm=float(grad_norm or 0.0),
-        applied=bool(applied),
-        skipped=not applied,
-        lr=lr,
+        metrics=metrics, grad_norm=grad_norm, applied=applied, skipped=not applied, lr=lr
     )
