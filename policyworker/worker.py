@@ -29,12 +29,19 @@ from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.losses.common import LossFunction
-from policyworker.model.build import build_gpt_model
+from policyworker.model.build import build_gpt_model, global_named_parameters
 from policyworker.model.hf_config import check_sliding_window, model_shape
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.weights import SafetensorsReader, export_hf_weights, load_hf_weights
 from policyworker.ops.logprobs import token_logprobs, topk_logits
-from policyworker.parallel.dims import Groups, ParallelDims, init_distributed, init_model_parallel
+from policyworker.parallel.dims import (
+    Groups,
+    ParallelDims,
+    broadcast_from_last_stage,
+    check_layout,
+    init_distributed,
+    init_model_parallel,
+)
 from policyworker.train.optimizer import build_optimizer, build_scheduler, wrap_ddp
 from policyworker.train.step import run_microbatches, train_global_batch, trim_to_longest
 
@@ -83,11 +90,24 @@ class MegatronPolicyWorker:
         self.hf_config = AutoConfig.from_pretrained(config.model_name)
         self.shape = model_shape(self.hf_config)
         check_sliding_window(self.hf_config, config.max_total_sequence_length)
+        p = config.parallel
+        check_layout(
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            cp=p.context_parallel_size,
+            ep=p.expert_model_parallel_size,
+            sizes={
+                "num_attention_heads": self.shape.num_heads,
+                "num_key_value_heads": self.shape.num_kv_heads,
+                "intermediate_size": self.shape.ffn_hidden_size,
+                "vocab_size": self.shape.vocab_size,
+            },
+            num_layers=self.shape.num_layers,
+        )
         reader = SafetensorsReader(weights_path or config.model_name)
 
         apply_cpu_patches()
         init_distributed()
-        p = config.parallel
         self.dims = ParallelDims.from_world(
             world_size=dist.get_world_size(),
             tp=p.tensor_model_parallel_size,
@@ -116,7 +136,7 @@ class MegatronPolicyWorker:
             post_process=self.groups.is_last_stage,
         )
         load_hf_weights(
-            dict(model.named_parameters()),
+            global_named_parameters(model),
             reader,
             self.shape,
             tp_rank=self.groups.tp_rank,
@@ -153,7 +173,9 @@ class MegatronPolicyWorker:
             )
             return lp.new_zeros(()), {"logprobs": lp}
 
-        (logprobs,) = self._forward_collect(data, mbs, fn, keys=("logprobs",), trailing=())
+        (logprobs,) = self._forward_collect(
+            data, mbs, fn, outputs={"logprobs": torch.float32}, trailing=()
+        )
         return BatchedDataDict({"logprobs": logprobs})
 
     def get_reference_policy_logprobs(
@@ -193,7 +215,11 @@ class MegatronPolicyWorker:
             return vals.new_zeros(()), {"topk_logits": vals, "topk_indices": idx}
 
         vals, idx = self._forward_collect(
-            data, mbs, fn, keys=("topk_logits", "topk_indices"), trailing=(k,)
+            data,
+            mbs,
+            fn,
+            outputs={"topk_logits": torch.float32, "topk_indices": torch.int64},
+            trailing=(k,),
         )
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
@@ -274,7 +300,7 @@ class MegatronPolicyWorker:
 
     @staticmethod
     def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        return dict(model.named_parameters())
+        return global_named_parameters(model)
 
     def _check_inference_call(self, data: BatchedDataDict, micro_batch_size: int | None) -> int:
         """Validate a logprob/top-k call's batch and micro-batch size; returns the latter."""
@@ -309,10 +335,13 @@ class MegatronPolicyWorker:
         mbs: int,
         fn: Any,
         *,
-        keys: tuple[str, ...],
+        outputs: dict[str, torch.dtype],
         trailing: tuple[int, ...],
     ) -> list[torch.Tensor]:
-        """Forward-only over micro-batches; per-position outputs padded back to [B, S, *trailing]."""
+        """Forward-only over micro-batches; each of `outputs` padded back to [B, S, *trailing].
+
+        Only the last pipeline stage computes them; every stage returns them (broadcast).
+        """
         model = self.state.forward_model
         model.eval()
         batch = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")}).to(
@@ -322,18 +351,18 @@ class MegatronPolicyWorker:
         with torch.no_grad():
             stores = run_microbatches(model, mbs_list, fn, forward_only=True)
         b, s = data["input_ids"].shape
-        valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
-        outs = []
-        for key in keys:
-            parts = [st[key].cpu() for st in stores]
-            out = torch.zeros((b, s, *trailing), dtype=parts[0].dtype)
+        valid = torch.arange(s, device=self.device)[None, :] < batch["input_lengths"][:, None]
+        result = []
+        for key, dtype in outputs.items():
+            out = torch.zeros((b, s, *trailing), dtype=dtype, device=self.device)
             row = 0
-            for part in parts:
+            for st in stores:  # empty except on the last stage
+                part = st[key]
                 out[row : row + part.shape[0], : part.shape[1]] = part
                 row += part.shape[0]
             out[~valid] = 0
-            outs.append(out)
-        return outs
+            result.append(broadcast_from_last_stage(out, self.groups).cpu())
+        return result
 
 
 def _summarize(results: list[Any]) -> dict[str, Any]:

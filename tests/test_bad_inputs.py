@@ -5,7 +5,7 @@ import torch
 from conftest import make_worker
 from helpers import make_batch, make_hf_model
 
-from policyworker.config import PolicyConfig
+from policyworker.config import ParallelConfig, PolicyConfig
 from policyworker.losses import ClippedPGLoss, NLLLoss
 from policyworker.model.hf_config import UnsupportedModelError
 
@@ -154,3 +154,19 @@ def test_sliding_window_shorter_than_sequences_is_refused(tmp_path):
 def test_bad_config_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PolicyConfig(model_name="/x", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "parallel,field",
+    [
+        ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size.*num_attention_heads=4"),
+        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size.*vocab_size=101"),
+        ({"pipeline_model_parallel_size": 3}, "pipeline_model_parallel_size.*num_layers=2"),
+        ({"context_parallel_size": 2}, "context_parallel_size"),
+        ({"expert_model_parallel_size": 2}, "expert_model_parallel_size"),
+        ({"pipeline_model_parallel_size": 2}, "world size 1"),  # splits the model, not the world
+    ],
+)
+def test_bad_parallel_layout(llama_dir, parallel, field):
+    with pytest.raises(ValueError, match=field):
+        make_worker(llama_dir, parallel=ParallelConfig(**parallel))

@@ -6,7 +6,8 @@ megatron-core assumes CUDA in a few places that our code paths reach:
   DDP grad buffers, the pipeline schedules, the optimizers);
 * `torch.cuda.synchronize` / streams / events / `torch.cuda.manual_seed`;
 * the CUDA RNG tracker's get/set of the CUDA generator state;
-* `tensor.type()` CUDA type strings that the fp16/bf16 optimizer sorts parameters by.
+* `tensor.type()` CUDA type strings that the fp16/bf16 optimizer sorts parameters by;
+* `tensor.cuda()` on the last stage's copy of tied embeddings (pipeline parallelism).
 
 (megatron's grad clipping is not reached: `train.optimizer.optimizer_step` clips.)
 
@@ -186,14 +187,31 @@ def _cuda_type_strings() -> Iterator[None]:
         torch.Tensor.type = original  # type: ignore[method-assign]
 
 
-def _wrap_init_with_cuda_type_strings(cls: type) -> None:
-    original_init = cls.__init__
+@contextlib.contextmanager
+def _tensor_cuda_stays_on_cpu() -> Iterator[None]:
+    """Make `tensor.cuda()` return the tensor itself.
 
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        with _cuda_type_strings():
-            original_init(self, *args, **kwargs)
+    With tied embeddings and pipeline parallelism, `LanguageModule.setup_embeddings_and_output_layer`
+    moves the last stage's embedding copy with `.cuda()` before all-reducing it across stages.
+    Scoped to that method only.
+    """
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original  # type: ignore[method-assign]
 
-    cls.__init__ = __init__
+
+def _run_inside(cls: type, method: str, scope: Callable[[], Any]) -> None:
+    """Run `cls.method` inside the context manager `scope()`."""
+    original = getattr(cls, method)
+
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with scope():
+            return original(self, *args, **kwargs)
+
+    setattr(cls, method, wrapped)
 
 
 def apply_cpu_patches() -> bool:
@@ -221,6 +239,14 @@ def apply_cpu_patches() -> bool:
     random._set_cuda_rng_state = _cpu_set_rng_state
 
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
-    _wrap_init_with_cuda_type_strings(optimizer.Float16OptimizerWithFloat16Params)
+    _run_inside(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_strings)
+    language_module = importlib.import_module(
+        "megatron.core.models.common.language_module.language_module"
+    )
+    _run_inside(
+        language_module.LanguageModule,
+        "setup_embeddings_and_output_layer",
+        _tensor_cuda_stays_on_cpu,
+    )
     _active = True
     return True

@@ -62,6 +62,9 @@ def transformer_config(
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         sequence_parallel=False,
+        # Micro-batches are trimmed to their longest sequence: stages exchange shapes first.
+        variable_seq_lengths=dims.pp > 1,
+        moe_token_dispatcher_type="alltoall",  # dense model; "allgather" refuses variable lengths
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # weights always come from the HF checkpoint
         bias_activation_fusion=on_gpu,
@@ -142,6 +145,24 @@ def build_gpt_model(
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def global_named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
+    """`named_parameters()` with this pipeline stage's layer indices made global.
+
+    Stage k numbers its layers from 0; the HF mapping names the model's layers 0..L-1.
+    """
+    offsets = {
+        f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
+        for i, layer in enumerate(model.decoder.layers)
+    }
+    out = {}
+    for name, param in model.named_parameters():
+        if name.startswith("decoder.layers."):
+            local = ".".join(name.split(".", 3)[:3]) + "."
+            name = offsets[local] + name[len(local) :]
+        out[name] = param
+    return out
 
 
 def batch_major_logits(

@@ -146,6 +146,12 @@ def mappings(shape: ModelShape) -> list[Mapping]:
     return table
 
 
+# With tied embeddings and pipeline parallelism the last stage holds its own copy of the
+# embedding as the output layer (megatron keeps the two in sync); it loads from the embedding
+# and is never exported (the first stage exports the one HF tensor).
+_TIED_OUTPUT = Copy("output_layer.weight", ("model.embed_tokens.weight",), 0)
+
+
 class SafetensorsReader:
     """Reads named tensors from a HF folder: `model.safetensors` or a sharded index."""
 
@@ -188,6 +194,8 @@ def load_hf_weights(
     with no mapping, or a shape mismatch, is an error.
     """
     table = {m.mcore: m for m in mappings(shape)}
+    if shape.tie_word_embeddings:
+        table[_TIED_OUTPUT.mcore] = _TIED_OUTPUT
     unmapped = sorted(set(params) - set(table))
     if unmapped:
         raise KeyError(f"no HF mapping for megatron parameters: {unmapped[:5]}")

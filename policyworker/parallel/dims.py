@@ -42,6 +42,32 @@ class ParallelDims:
         return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel)
 
 
+def check_layout(
+    *, tp: int, pp: int, cp: int, ep: int, sizes: dict[str, int], num_layers: int
+) -> None:
+    """Refuse a layout this model cannot be split into, naming the config field.
+
+    `sizes` are the dims TP splits (heads, query groups, ffn, vocabulary: no vocab padding yet).
+    """
+    field = "parallel.{}_size".format
+    if cp != 1:
+        raise ValueError(
+            f"{field('context_parallel')}: expected 1 (CP is not implemented), got {cp}"
+        )
+    if ep != 1:
+        raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(
+                f"{field('tensor_model_parallel')}: expected a divisor of {name}={size}, got {tp}"
+            )
+    if num_layers % pp:
+        raise ValueError(
+            f"{field('pipeline_model_parallel')}: expected a divisor of "
+            f"num_layers={num_layers}, got {pp}"
+        )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,8 +133,12 @@ class Groups:
     tp: dist.ProcessGroup
     dp: dist.ProcessGroup
     mp: dist.ProcessGroup
+    pp: dist.ProcessGroup
     tp_rank: int
     dp_rank: int
+    pp_size: int
+    pp_last_rank: int
+    """Global rank of this pipeline's last stage: the one that holds logits and losses."""
     is_first_stage: bool
     is_last_stage: bool
 
@@ -120,8 +150,27 @@ class Groups:
             tp=ps.get_tensor_model_parallel_group(),
             dp=ps.get_data_parallel_group(with_context_parallel=True),
             mp=ps.get_model_parallel_group(),
+            pp=ps.get_pipeline_model_parallel_group(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            pp_size=ps.get_pipeline_model_parallel_world_size(),
+            pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
             is_first_stage=ps.is_pipeline_first_stage(),
             is_last_stage=ps.is_pipeline_last_stage(),
         )
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """The last pipeline stage's `tensor` on every stage (in place; same shape and dtype)."""
+    if groups.pp_size > 1:
+        dist.broadcast(tensor, src=groups.pp_last_rank, group=groups.pp)
+    return tensor
+
+
+def broadcast_object_from_last_stage(obj: object, groups: Groups) -> object:
+    """The last pipeline stage's picklable `obj` (e.g. a metrics dict) on every stage."""
+    if groups.pp_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=groups.pp_last_rank, group=groups.pp)
+    return box[0]

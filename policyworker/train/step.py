@@ -21,7 +21,7 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses.common import LossFunction, global_counts
 from policyworker.model.build import batch_major_logits
 from policyworker.ops.logprobs import token_logprobs, vocab_parallel_entropy
-from policyworker.parallel.dims import Groups
+from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,8 @@ def train_global_batch(
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
     stores = run_microbatches(ddp, microbatches, fn, forward_only=eval_mode)
-    metrics = sum_metrics(stores, groups.dp)
+    # Losses live on the last pipeline stage; every stage reports them.
+    metrics = broadcast_object_from_last_stage(sum_metrics(stores, groups.dp), groups)
     metrics["global_valid_seqs"] = float(global_valid_seqs)
     metrics["global_valid_toks"] = float(global_valid_toks)
     metrics["num_microbatches"] = float(len(microbatches))

@@ -1,0 +1,84 @@
+"""One parallel layout's results, for `test_parallel.py`: run under torchrun, rank 0 saves them.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP
+
+Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
+batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import make_batch
+
+from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.losses import ClippedPGLoss
+from policyworker.worker import MegatronPolicyWorker
+
+BATCH, SEQ, TOPK = 4, 14, 5
+
+
+def layout_results(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, object]:
+    """What every layout must agree on, for this rank's `data`."""
+    out: dict[str, object] = {
+        "logprobs": worker.get_logprobs(data=data, micro_batch_size=1)["logprobs"]
+    }
+    topk = worker.get_topk_logits(data=data, k=TOPK)
+    out["topk_logits"], out["topk_indices"] = topk["topk_logits"], topk["topk_indices"]
+    out["reference_logprobs"] = worker.get_reference_policy_logprobs(data=data)[
+        "reference_logprobs"
+    ]
+    out["train"] = [worker.train(data, ClippedPGLoss()) for _ in range(2)]
+    out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
+    return out
+
+
+def config(model: str, *, tp: int, pp: int) -> PolicyConfig:
+    return PolicyConfig(
+        model_name=model,
+        precision="float32",
+        train_global_batch_size=BATCH,
+        train_micro_batch_size=1,
+        logprob_batch_size=2,
+        max_total_sequence_length=32,
+        optimizer=OptimizerConfig(lr=1e-3),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+    )
+
+
+def fixed_batch(vocab: int) -> BatchedDataDict:
+    return make_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=5)
+
+
+def main() -> None:
+    model, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    worker = MegatronPolicyWorker(config(model, tp=tp, pp=pp))
+    data = fixed_batch(worker.shape.vocab_size)
+    shard = data.shard_by_batch_size(worker.dims.dp)[worker.groups.dp_rank]
+    mine = layout_results(worker, shard)
+    # Data-parallel peers hold the other rows: gather them (in dp-rank order) on every rank.
+    shards: list[dict[str, object]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(shards, {"dp_rank": worker.groups.dp_rank, **mine})
+    by_dp = {s["dp_rank"]: s for s in shards}
+    full = {
+        k: torch.cat([by_dp[r][k] for r in sorted(by_dp)])  # type: ignore[misc]
+        for k, v in mine.items()
+        if isinstance(v, torch.Tensor)
+    }
+    full["train"] = [s["train"] for s in shards]
+    full["dims"] = worker.dims
+    if dist.get_rank() == 0:
+        torch.save(full, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

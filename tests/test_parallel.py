@@ -1,0 +1,62 @@
+"""TP2, PP2 and DP2 on two CPU ranks (gloo) give the single-rank results: logprobs, top-k,
+reference logprobs, train metrics and the weights after two GRPO steps (via their logprobs)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import hf_logprobs, make_hf_model
+from multirank import config, fixed_batch, layout_results
+
+from policyworker.worker import MegatronPolicyWorker
+
+VOCAB = 128
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp); dp is what remains of 2
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Tied embeddings: under PP the last stage holds a synced copy of the embedding.
+    folder = tmp_path_factory.mktemp("qwen2_tied")
+    return make_hf_model(folder, "qwen2", vocab_size=VOCAB, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def single(tied_dir: Path) -> dict[str, object]:
+    worker = MegatronPolicyWorker(config(str(tied_dir), tp=1, pp=1))
+    return layout_results(worker, fixed_batch(VOCAB))
+
+
+def run_layout(folder: Path, out: Path, tp: int, pp: int) -> dict[str, object]:
+    script = Path(__file__).parent / "multirank.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(script), str(folder), str(out), str(tp), str(pp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
+    tp, pp = LAYOUTS[layout]
+    got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp)
+    assert (got["dims"].tp, got["dims"].pp, got["dims"].dp) == (tp, pp, 2 // (tp * pp))
+
+    hf = hf_logprobs(tied_dir, fixed_batch(VOCAB))
+    assert (got["logprobs"] - hf).abs().max() <= 1e-4
+    for key in ("logprobs", "reference_logprobs", "topk_logits"):
+        assert (got[key] - single[key]).abs().max() <= 1e-5, key
+    assert torch.equal(got["topk_indices"], single["topk_indices"])
+
+    for step, want in enumerate(single["train"]):
+        for rank_metrics in got["train"]:  # every rank reports the global figures
+            for key in ("loss", "grad_norm", "global_valid_toks", "probs_ratio"):
+                assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-5), (step, key)
+    # Training moved the weights, and moved them the same way.
+    moved = (single["logprobs_after"] - single["logprobs"]).abs().max()
+    assert moved > 1e-2
+    assert (got["logprobs_after"] - single["logprobs_after"]).abs().max() <= 1e-4
