@@ -282,18 +282,24 @@ class MegatronPolicyWorker:
     # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor) in the HF layout, for refit or saving. Single-rank layouts for now."""
-        if self.dims.tp != 1 or self.dims.pp != 1:
-            raise NotImplementedError("export under TP/PP (gather/broadcast) is a later issue")
-        yield from export_hf_weights(self._params(self.state.model), self.shape)
+        """(hf_name, tensor) in the HF layout, for refit or saving: this pipeline stage's tensors,
+        full size (TP shards gathered). Collective: every rank of the TP group iterates in step."""
+        yield from export_hf_weights(
+            self._params(self.state.model), self.shape, tp_group=self.groups.tp
+        )
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
-        """A Hugging Face folder (config, safetensors, tokenizer if given) of the live weights."""
+        """A Hugging Face folder (config, safetensors, tokenizer if given) of the live weights.
+
+        Collective: every rank calls it; one rank per pipeline stage writes that stage's tensors.
+        """
         return save_hf_folder(
             folder,
             hf_config=self.hf_config,
             tensors=self.export_hf_weights(),
             tokenizer=self.tokenizer,
+            writer=self.groups.tp_rank == 0 and self.groups.dp_rank == 0,
+            part=self.groups.pp_rank,
         )
 
     # --- helpers ---------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ def main() -> None:
         if isinstance(v, torch.Tensor)
     }
     full["train"] = [s["train"] for s in shards]
+    worker.save_hf_pretrained(Path(out).with_suffix(".hf"))  # collective
     full["dims"] = worker.dims
     if dist.get_rank() == 0:
         torch.save(full, out)

@@ -60,3 +60,7 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
     moved = (single["logprobs_after"] - single["logprobs"]).abs().max()
     assert moved > 1e-2
     assert (got["logprobs_after"] - single["logprobs_after"]).abs().max() <= 1e-4
+    # The HF export (TP shards gathered, one file per pipeline stage) holds the trained weights.
+    exported = tmp_path / "out.hf"
+    assert len(list(exported.glob("*.safetensors"))) == pp
+    assert (hf_logprobs(exported, fixed_batch(VOCAB)) - got["logprobs_after"]).abs().max() <= 1e-4

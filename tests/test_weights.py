@@ -8,6 +8,7 @@ from conftest import make_worker
 from helpers import hf_logprobs, make_batch, make_hf_model
 from safetensors.torch import load_file, save_file
 
+from policyworker.checkpoint import hf as hf_checkpoint
 from policyworker.config import OptimizerConfig
 from policyworker.losses import NLLLoss
 from policyworker.model.hf_config import model_shape
@@ -94,3 +95,30 @@ def test_save_hf_pretrained_round_trip(tmp_path, llama_dir):
     # saving again over the same folder replaces it atomically
     worker.save_hf_pretrained(tmp_path / "export")
     assert not list(tmp_path.glob(".export.*")) and not (tmp_path / "export.old").exists()
+
+
+def test_save_splits_into_indexed_shards(tmp_path, llama_dir, monkeypatch):
+    monkeypatch.setattr(hf_checkpoint, "SHARD_BYTES", 64 * 1024)
+    worker = make_worker(llama_dir)
+    out = worker.save_hf_pretrained(tmp_path / "export")
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 2 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    data = make_batch(batch=2, seq=10)
+    assert (hf_logprobs(out, data) - hf_logprobs(llama_dir, data)).abs().max() == 0
+
+
+def test_crash_during_save_keeps_the_old_folder(tmp_path, llama_dir):
+    worker = make_worker(llama_dir)
+    out = worker.save_hf_pretrained(tmp_path / "export")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def crashing():
+        yield from list(worker.export_hf_weights())[:3]
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        hf_checkpoint.save_hf_folder(out, hf_config=worker.hf_config, tensors=crashing())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary left

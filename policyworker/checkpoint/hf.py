@@ -1,4 +1,11 @@
-"""Write a Hugging Face folder (config + safetensors [+ tokenizer]) that transformers loads."""
+"""Write a Hugging Face folder (config + safetensors [+ tokenizer]) that transformers loads.
+
+Every rank calls `save_hf_folder` with its tensors (a pipeline stage's share of the model); the
+ranks marked `writer` (one per stage) write theirs, and rank 0 adds the index, config and
+tokenizer. The folder is assembled in a temporary sibling and renamed into place, so a crash leaves
+either the old folder or the new one, never a half-written checkpoint; an error on any rank is
+raised on every rank.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 
 SHARD_BYTES = 4 * 2**30
+
+# hf tensor name -> (file it was written to, bytes)
+WeightMap = dict[str, tuple[str, int]]
 
 
 def save_hf_folder(
@@ -22,53 +33,135 @@ def save_hf_folder(
     hf_config: Any,
     tensors: Iterable[tuple[str, torch.Tensor]],
     tokenizer: Any | None = None,
+    writer: bool = True,
+    part: int = 0,
 ) -> Path:
-    """Write `tensors` as (sharded) safetensors beside `config.json`.
+    """Write `tensors` as safetensors beside `config.json`; collective over all ranks.
 
-    The folder is assembled in a temporary sibling and renamed into place, so a crash leaves either
-    the old folder or the new one, never a half-written checkpoint.
+    Non-writers still consume `tensors` (producing them may be collective, e.g. TP gathers).
+    `part` (the pipeline stage) keeps the writers' file names apart.
     """
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    tmp = Path(_from_rank0(lambda: _make_tmp(folder)))
+    error: Exception | None = None
+    written: WeightMap = {}
     try:
-        _write_shards(tmp, tensors)
-        hf_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            old = folder.with_name(folder.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(folder, old)
-            os.replace(tmp, folder)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        written = _write_shards(tmp, tensors, prefix=f".part{part:05d}", write=writer)
+    except Exception as e:  # reported to every rank below, then raised
+        error = e
+    reports = _gather([written, None if error is None else f"rank {_rank()}: {error!r}"])
+
+    def finish() -> str | None:
+        failures = [r[1] for r in reports if r[1] is not None]
+        try:
+            if not failures:
+                _finish(tmp, folder, [r[0] for r in reports], hf_config, tokenizer)
+        except Exception as e:
+            failures.append(f"rank 0: {e!r}")
+        if failures:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return "; ".join(failures)
+        return None
+
+    failure = _from_rank0(finish)
+    if error is not None:
+        raise error
+    if failure is not None:
+        raise RuntimeError(f"saving {folder} failed: {failure}")
     return folder
 
 
-def _write_shards(folder: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.detach().to("cpu").contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+def _make_tmp(folder: Path) -> str:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent)
+
+
+def _write_shards(
+    folder: Path, tensors: Iterable[tuple[str, torch.Tensor]], *, prefix: str, write: bool
+) -> WeightMap:
+    """Files of at most ~SHARD_BYTES named `{prefix}-{i}.safetensors` (renamed by `_finish`)."""
+    written: WeightMap = {}
+    shard: dict[str, torch.Tensor] = {}
+    size = count = 0
+
+    def flush() -> None:
+        nonlocal shard, size, count
+        fname = f"{prefix}-{count:05d}.safetensors"
         save_file(shard, folder / fname, metadata={"format": "pt"})
-        for name, t in shard.items():
+        written.update({n: (fname, t.numel() * t.element_size()) for n, t in shard.items()})
+        shard, size, count = {}, 0, count + 1
+
+    for name, t in tensors:
+        if not write:
+            continue
+        nbytes = t.numel() * t.element_size()
+        if shard and size + nbytes > SHARD_BYTES:
+            flush()
+        shard[name] = t.detach().to("cpu").contiguous()
+        size += nbytes
+    if shard:
+        flush()
+    return written
+
+
+def _finish(
+    tmp: Path, folder: Path, maps: list[WeightMap], hf_config: Any, tokenizer: Any | None
+) -> None:
+    """Rank 0: HF file names and index, config, tokenizer; then move the folder into place."""
+    weight_map: dict[str, str] = {}
+    for m in maps:
+        for name, (fname, _) in m.items():
+            if name in weight_map:
+                raise ValueError(f"tensor {name!r} written twice")
             weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    files = sorted(set(weight_map.values()))  # part, then shard order
+    if len(files) == 1:
+        final = {files[0]: "model.safetensors"}
+    else:
+        final = {
+            f: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, f in enumerate(files)
+        }
+    for old, new in final.items():
+        os.replace(tmp / old, tmp / new)
+    if len(files) > 1:
+        total = sum(nbytes for m in maps for _, nbytes in m.values())
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": {n: final[f] for n, f in sorted(weight_map.items())},
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config.save_pretrained(tmp)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if folder.exists():
+        old = folder.with_name(folder.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, folder)
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _from_rank0(fn: Any) -> Any:
+    """`fn()` run on rank 0; its (picklable) result on every rank."""
+    box = [fn() if _rank() == 0 else None]
+    if _distributed():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(obj: Any) -> list[Any]:
+    if not _distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

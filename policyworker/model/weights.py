@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 
 from policyworker.model.hf_config import ModelShape
@@ -212,11 +213,22 @@ def load_hf_weights(
 
 
 def export_hf_weights(
-    params: dict[str, torch.Tensor], shape: ModelShape
+    params: dict[str, torch.Tensor],
+    shape: ModelShape,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, tensor) for the full, unsharded megatron parameters given (TP=1, one stage)."""
+    """(hf_name, tensor) for the megatron parameters given (one pipeline stage's), full size.
+
+    TP shards are all-gathered over `tp_group`: every rank of the group must iterate in step.
+    """
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
     for m in mappings(shape):
         if m.mcore not in params:
             continue
         tensor = params[m.mcore].detach()
+        if tp > 1 and m.tp_dim is not None:
+            shards = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+            tensor = m.unshard(shards)
         yield from zip(m.hf, m.to_hf(tensor, shape), strict=True)

@@ -136,6 +136,7 @@ class Groups:
     pp: dist.ProcessGroup
     tp_rank: int
     dp_rank: int
+    pp_rank: int
     pp_size: int
     pp_last_rank: int
     """Global rank of this pipeline's last stage: the one that holds logits and losses."""
@@ -153,6 +154,7 @@ class Groups:
             pp=ps.get_pipeline_model_parallel_group(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
             is_first_stage=ps.is_pipeline_first_stage(),
