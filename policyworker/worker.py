@@ -90,24 +90,12 @@ class MegatronPolicyWorker:
         self.hf_config = AutoConfig.from_pretrained(config.model_name)
         self.shape = model_shape(self.hf_config)
         check_sliding_window(self.hf_config, config.max_total_sequence_length)
-        p = config.parallel
-        check_layout(
-            tp=p.tensor_model_parallel_size,
-            pp=p.pipeline_model_parallel_size,
-            cp=p.context_parallel_size,
-            ep=p.expert_model_parallel_size,
-            sizes={
-                "num_attention_heads": self.shape.num_heads,
-                "num_key_value_heads": self.shape.num_kv_heads,
-                "intermediate_size": self.shape.ffn_hidden_size,
-                "vocab_size": self.shape.vocab_size,
-            },
-            num_layers=self.shape.num_layers,
-        )
+        check_layout(config.parallel, self.shape)
         reader = SafetensorsReader(weights_path or config.model_name)
 
         apply_cpu_patches()
         init_distributed()
+        p = config.parallel
         self.dims = ParallelDims.from_world(
             world_size=dist.get_world_size(),
             tp=p.tensor_model_parallel_size,

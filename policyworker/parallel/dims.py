@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from policyworker.config import ParallelConfig
+from policyworker.model.hf_config import ModelShape
+
 log = logging.getLogger(__name__)
 
 
@@ -42,29 +45,35 @@ class ParallelDims:
         return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel)
 
 
-def check_layout(
-    *, tp: int, pp: int, cp: int, ep: int, sizes: dict[str, int], num_layers: int
-) -> None:
+def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
     """Refuse a layout this model cannot be split into, naming the config field.
 
-    `sizes` are the dims TP splits (heads, query groups, ffn, vocabulary: no vocab padding yet).
+    TP splits the heads, query groups, ffn and vocabulary (no vocab padding yet); PP the layers.
     """
     field = "parallel.{}_size".format
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    cp, ep = parallel.context_parallel_size, parallel.expert_model_parallel_size
     if cp != 1:
         raise ValueError(
             f"{field('context_parallel')}: expected 1 (CP is not implemented), got {cp}"
         )
     if ep != 1:
         raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
-    for name, size in sizes.items():
+    tp_split = {
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.ffn_hidden_size,
+        "vocab_size": shape.vocab_size,
+    }
+    for name, size in tp_split.items():
         if size % tp:
             raise ValueError(
                 f"{field('tensor_model_parallel')}: expected a divisor of {name}={size}, got {tp}"
             )
-    if num_layers % pp:
+    if shape.num_layers % pp:
         raise ValueError(
             f"{field('pipeline_model_parallel')}: expected a divisor of "
-            f"num_layers={num_layers}, got {pp}"
+            f"num_layers={shape.num_layers}, got {pp}"
         )
 
 
