@@ -135,7 +135,9 @@ class MegatronPolicyWorker:
             ddp = wrap_ddp(model)
             optimizer = build_optimizer(ddp, config.optimizer, params_dtype=self.dtype)
             scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
-        reference = ReferenceWeights(self._params(model)) if init_reference_model else None
+        reference = (
+            ReferenceWeights(global_named_parameters(model)) if init_reference_model else None
+        )
         self.state = PolicyState(
             model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
         )
@@ -179,7 +181,7 @@ class MegatronPolicyWorker:
         """Swap the reference weights into the live parameters; the live ones return on exit."""
         if self.state.reference is None:
             raise ValueError("init_reference_model=False: this worker holds no reference model")
-        with self.state.reference.swapped_into(self._params(self.state.model)):
+        with self.state.reference.swapped_into(global_named_parameters(self.state.model)):
             yield
 
     def get_topk_logits(
@@ -273,7 +275,7 @@ class MegatronPolicyWorker:
         """(hf_name, tensor) in the HF layout, for refit or saving: this pipeline stage's tensors,
         full size (TP shards gathered). Collective: every rank of the TP group iterates in step."""
         yield from export_hf_weights(
-            self._params(self.state.model), self.shape, tp_group=self.groups.tp
+            global_named_parameters(self.state.model), self.shape, tp_group=self.groups.tp
         )
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
@@ -291,10 +293,6 @@ class MegatronPolicyWorker:
         )
 
     # --- helpers ---------------------------------------------------------------------------------
-
-    @staticmethod
-    def _params(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
-        return global_named_parameters(model)
 
     def _check_inference_call(self, data: BatchedDataDict, micro_batch_size: int | None) -> int:
         """Validate a logprob/top-k call's batch and micro-batch size; returns the latter."""
@@ -345,17 +343,17 @@ class MegatronPolicyWorker:
         with torch.no_grad():
             stores = run_microbatches(model, mbs_list, fn, forward_only=True)
         b, s = data["input_ids"].shape
-        valid = torch.arange(s, device=self.device)[None, :] < batch["input_lengths"][:, None]
+        valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
         result = []
         for key, dtype in outputs.items():
-            out = torch.zeros((b, s, *trailing), dtype=dtype, device=self.device)
+            out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
             row = 0
             for st in stores:  # empty except on the last stage
-                part = st[key]
+                part = st[key].cpu()
                 out[row : row + part.shape[0], : part.shape[1]] = part
                 row += part.shape[0]
             out[~valid] = 0
-            result.append(broadcast_from_last_stage(out, self.groups).cpu())
+            result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
         return result
 
 

@@ -171,11 +171,18 @@ class Groups:
         )
 
 
-def broadcast_from_last_stage(tensor: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """The last pipeline stage's `tensor` on every stage (in place; same shape and dtype)."""
-    if groups.pp_size > 1:
-        dist.broadcast(tensor, src=groups.pp_last_rank, group=groups.pp)
-    return tensor
+def broadcast_from_last_stage(
+    tensor: torch.Tensor, groups: Groups, *, device: torch.device
+) -> torch.Tensor:
+    """The last pipeline stage's `tensor` (same shape and dtype everywhere) on every stage.
+
+    Sent through `device` (NCCL moves CUDA tensors only); returned where `tensor` was.
+    """
+    if groups.pp_size == 1:
+        return tensor
+    sent = tensor.to(device)
+    dist.broadcast(sent, src=groups.pp_last_rank, group=groups.pp)
+    return sent.to(tensor.device)
 
 
 def broadcast_object_from_last_stage(obj: object, groups: Groups) -> object:
