@@ -21,16 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from transformers import AutoConfig
 
 from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.compat import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
-from policyworker.losses.common import LossFunction
+from policyworker.losses.common import Loss
 from policyworker.model.build import build_gpt_model, global_named_parameters
-from policyworker.model.hf_config import check_sliding_window, model_shape
+from policyworker.model.hf_config import check_sliding_window, load_hf_config, model_shape
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.weights import SafetensorsReader, export_hf_weights, load_hf_weights
 from policyworker.ops.logprobs import token_logprobs, topk_logits
@@ -87,7 +86,7 @@ class MegatronPolicyWorker:
             )
         self.cfg = config
         self.tokenizer = tokenizer
-        self.hf_config = AutoConfig.from_pretrained(config.model_name)
+        self.hf_config = load_hf_config(config.model_name, require_weights=weights_path is None)
         self.shape = model_shape(self.hf_config)
         check_sliding_window(self.hf_config, config.max_total_sequence_length)
         check_layout(config.parallel, self.shape)
@@ -218,7 +217,7 @@ class MegatronPolicyWorker:
     def train(
         self,
         data: BatchedDataDict,
-        loss_fn: LossFunction,
+        loss_fn: Loss,
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
@@ -237,7 +236,7 @@ class MegatronPolicyWorker:
             max_seq_len=self.cfg.max_total_sequence_length,
             vocab_size=self.shape.vocab_size,
         )
-        local_gbs = self._check_batch_sizes(b=b, gbs=gbs, mbs=mbs)
+        local_gbs = self._check_batch_sizes(b=b, gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
         data = loss_fn.prepare_batch(data).to(self.device)
         ddp = self.state.ddp
         ddp.train()
@@ -307,11 +306,16 @@ class MegatronPolicyWorker:
         )
         return mbs
 
-    def _check_batch_sizes(self, *, b: int, gbs: int, mbs: int) -> int:
+    def _check_batch_sizes(self, *, b: int, gbs: int, mbs: int, rows: int) -> int:
         dp = self.dims.dp
         for name, value in (("gbs", gbs), ("mbs", mbs)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        if mbs % rows:
+            raise ValueError(
+                f"mbs: expected a multiple of {rows} (the loss reads rows in groups of {rows}, "
+                f"which must share a micro-batch), got {mbs}"
+            )
         if gbs % dp or (gbs // dp) % mbs:
             raise ValueError(f"gbs: expected a multiple of dp*mbs = {dp}*{mbs}, got {gbs}")
         local_gbs = gbs // dp
@@ -358,9 +362,13 @@ class MegatronPolicyWorker:
 
 
 def _summarize(results: list[Any]) -> dict[str, Any]:
-    """Mean of each metric over global batches, plus the step bookkeeping users plot."""
-    keys = results[0].metrics.keys()
-    out: dict[str, Any] = {k: sum(r.metrics[k] for r in results) / len(results) for k in keys}
+    """Each metric over global batches (mean; min/max for `*_min`/`*_max`), plus the step
+    bookkeeping users plot."""
+    out: dict[str, Any] = {}
+    for key in results[0].metrics:
+        values = [r.metrics[key] for r in results]
+        reduce = {"_min": min, "_max": max}.get(key[-4:])
+        out[key] = reduce(values) if reduce else sum(values) / len(values)
     out["global_valid_toks"] = sum(r.metrics["global_valid_toks"] for r in results)
     out["global_valid_seqs"] = sum(r.metrics["global_valid_seqs"] for r in results)
     out["num_microbatches"] = sum(int(r.metrics["num_microbatches"]) for r in results)

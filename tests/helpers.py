@@ -52,8 +52,10 @@ def make_batch(
     vocab: int = 101,
     seed: int = 0,
     lengths: list[int] | None = None,
+    topk: int = 4,
 ) -> BatchedDataDict:
-    """Right-padded random batch with mixed lengths and the full GRPO contract."""
+    """Right-padded random batch with mixed lengths and the full contract of every loss: GRPO's
+    fields, `rewards` [B], and a random teacher's `teacher_topk_logits/indices` [B, S, topk]."""
     g = torch.Generator().manual_seed(seed)
     if lengths is None:
         lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g).tolist()
@@ -65,6 +67,9 @@ def make_batch(
     token_mask = (valid & (pos >= 3)).float()
     adv = torch.randn(batch, 1, generator=g).expand(batch, seq).clone()
     prev = -torch.rand(batch, seq, generator=g) * 3
+    teacher_ids = torch.stack(
+        [torch.randperm(vocab, generator=g)[:topk] for _ in range(batch * seq)]
+    )
     return BatchedDataDict(
         input_ids=ids,
         input_lengths=torch.tensor(lengths),
@@ -74,6 +79,9 @@ def make_batch(
         prev_logprobs=prev,
         generation_logprobs=prev + 0.05 * torch.randn(batch, seq, generator=g),
         reference_policy_logprobs=prev + 0.1 * torch.randn(batch, seq, generator=g),
+        rewards=(torch.rand(batch, generator=g) > 0.5).float(),
+        teacher_topk_logits=3 * torch.randn(batch, seq, topk, generator=g),
+        teacher_topk_indices=teacher_ids.reshape(batch, seq, topk),
     )
 
 

@@ -20,7 +20,13 @@ from helpers import make_batch
 
 from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.losses import ClippedPGLoss
+from policyworker.losses import (
+    ClippedPGConfig,
+    ClippedPGLoss,
+    DistillationConfig,
+    DistillationLoss,
+    DPOLoss,
+)
 from policyworker.worker import MegatronPolicyWorker
 
 BATCH, SEQ, TOPK = 4, 14, 5
@@ -38,7 +44,25 @@ def layout_results(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[
     ]
     out["train"] = [worker.train(data, ClippedPGLoss()) for _ in range(2)]
     out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
+    # One step of each other loss (their gradients show in grad_norm), in a fixed order.
+    out["train"] += [worker.train(data, loss, mbs=2) for loss in OTHER_LOSSES]
+    out["logprobs_final"] = worker.get_logprobs(data=data)["logprobs"]
     return out
+
+
+OTHER_LOSSES = (
+    ClippedPGLoss(
+        ClippedPGConfig(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="tis",
+            truncated_importance_sampling_ratio=1.5,
+            reference_policy_kl_penalty=0.1,
+            positive_example_nll_weight=0.2,
+        )
+    ),
+    DPOLoss(),
+    DistillationLoss(DistillationConfig(kl_type="mixed", zero_outside_topk=True)),
+)
 
 
 def config(model: str, *, tp: int, pp: int) -> PolicyConfig:

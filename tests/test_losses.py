@@ -1,248 +1,518 @@
-"""Each loss option against values computed by hand (scalar Python, token by token)."""
+"""The losses against NeMo-RL's own golden cases and against values computed by hand.
+
+ClippedPG: every golden case of the reference (loss, gradient and metrics, float64, 1e-12), then
+each place where we used to depart from it, as its own hand-computed test. NLL, DPO and
+distillation: the reference's unit-test cases and a brute-force full-vocabulary computation.
+"""
 
 import math
 
 import pytest
 import torch
+from reference_pg_cases import BASE, CASES
 
-from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.losses import ClippedPGConfig, ClippedPGLoss, NLLLoss, masked_mean
+from policyworker.losses import (
+    ClippedPGConfig,
+    ClippedPGLoss,
+    DistillationConfig,
+    DistillationLoss,
+    DPOConfig,
+    DPOLoss,
+    LossInputs,
+    NLLLoss,
+    masked_mean,
+)
+from policyworker.ops.logprobs import index_logprobs, token_logprobs, vocab_parallel_entropy
+from policyworker.train.step import reduce_metrics
+
+F64 = torch.float64
 
 
-def _batch():
-    # 2 sequences x 5 positions; position 0 never counts. Sequence 1 has a masked token.
-    g = torch.Generator().manual_seed(0)
-    curr = -torch.rand(2, 5, generator=g) * 2
-    data = BatchedDataDict(
-        input_ids=torch.zeros(2, 5, dtype=torch.long),
-        input_lengths=torch.tensor([5, 5]),
-        token_mask=torch.tensor([[0, 1, 1, 1, 1], [0, 0, 1, 1, 0]], dtype=torch.float),
-        sample_mask=torch.tensor([1.0, 1.0]),
-        advantages=torch.tensor([[0.0, 1.5, 1.5, 1.5, 1.5], [0.0, -0.8, -0.8, -0.8, -0.8]]),
-        prev_logprobs=curr + torch.tensor([[0, 0.5, -0.6, 0.1, 0.0], [0, 0.3, -0.4, 0.9, 0.2]]),
-        generation_logprobs=curr
-        + torch.tensor([[0, 0.4, -0.2, 3.0, 0.1], [0, 0.0, -1.2, 0.7, 0.0]]),
-        reference_policy_logprobs=curr
-        + torch.tensor([[0, 25.0, -0.3, 0.2, -30.0], [0, 0.1, 0.5, -0.4, 0.0]]),
-    )
-    return curr, data
+def _data(**overrides):
+    values = {**BASE, **overrides}
+    data = {k: torch.tensor(v, dtype=F64) for k, v in values.items() if k != "next_token_logprobs"}
+    data["input_ids"] = torch.zeros(2, 5, dtype=torch.long)
+    return data
+
+
+def _run(loss_fn, data, next_lp):
+    """(loss, d loss / d next_token_logprobs, metrics) with counts in float64 as the reference."""
+    next_lp = torch.tensor(next_lp, dtype=F64, requires_grad=True)
+    logprobs = torch.cat([next_lp.new_zeros(next_lp.shape[0], 1), next_lp], dim=1)
+    counts = {k: v.to(F64) for k, v in loss_fn.counts(data).items()}
+    loss, metrics = loss_fn(LossInputs(logprobs=logprobs), data, counts)
+    (grad,) = torch.autograd.grad(loss, next_lp)
+    return loss.detach(), grad, metrics
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_clipped_pg_equals_reference_goldens(name):
+    case = CASES[name]
+    loss_fn = ClippedPGLoss(ClippedPGConfig(**case["config"]))
+    data = _data(**case.get("inputs", {}))
+    loss, grad, metrics = _run(loss_fn, data, BASE["next_token_logprobs"])
+    torch.testing.assert_close(loss, torch.tensor(case["loss"], dtype=F64), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(case["grad"], dtype=F64), rtol=1e-12, atol=1e-12)
+    for key, want in case["metrics"].items():
+        assert float(metrics[key]) == pytest.approx(want, rel=1e-12, abs=1e-12), key
+
+
+def test_disable_ppo_ratio_reports_the_probability_ratio():
+    loss_fn = ClippedPGLoss(ClippedPGConfig(reference_policy_kl_penalty=0, disable_ppo_ratio=True))
+    _, _, m = _run(loss_fn, _data(), BASE["next_token_logprobs"])
+    # The reference reports the mean logprob (-1.12); the ratio exp(curr - prev) is the PPO one.
+    assert float(m["probs_ratio"]) == pytest.approx(CASES["ppo_token"]["metrics"]["probs_ratio"])
+    assert float(m["clipped_fraction"]) == 0.0
+
+
+# --- the departures of the old ClippedPGLoss, each by hand ---------------------------------------
 
 
 def _tokens(data):
-    """(seq, pos) pairs that the loss covers."""
-    return [
-        (b, t)
-        for b in range(2)
-        for t in range(1, 5)
-        if data["token_mask"][b, t] and data["sample_mask"][b]
-    ]
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    return [(b, t) for b in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[b, t]]
 
 
-def _hand(cfg: ClippedPGConfig, curr: torch.Tensor, data) -> float:
-    toks = _tokens(data)
-    n_tok = len(toks)
-    lo, hi = (
-        cfg.truncated_importance_sampling_ratio_min,
-        cfg.truncated_importance_sampling_ratio_max,
-    )
+def _k3(logr):
+    return math.exp(logr) - 1 - logr
 
-    def f(name, b, t):
-        return float(data[name][b, t])
 
-    def seq_tokens(b):
-        return [t for (bb, t) in toks if bb == b]
-
-    per_tok = {}
+def test_importance_weights_multiply_the_actor_term_only():
+    beta = 0.1
+    cfg = dict(use_importance_sampling_correction=True, reference_policy_kl_penalty=beta)
+    data = _data()
+    loss, _, m = _run(ClippedPGLoss(ClippedPGConfig(**cfg)), data, BASE["next_token_logprobs"])
+    curr, toks = BASE["next_token_logprobs"], _tokens(data)
+    actor = kl = 0.0
     for b, t in toks:
-        c, a = float(curr[b, t]), f("advantages", b, t)
-        p = c if cfg.force_on_policy_ratio else f("prev_logprobs", b, t)
-        if cfg.sequence_level_importance_ratios:
-            lr_ = sum(float(curr[b, u]) - f("prev_logprobs", b, u) for u in seq_tokens(b)) / len(
-                seq_tokens(b)
-            )
-        else:
-            lr_ = c - p
-        r = math.exp(lr_)
-        rc = min(max(r, 1 - cfg.ratio_clip_min), 1 + cfg.ratio_clip_max)
-        if cfg.disable_ppo_ratio:
-            actor = -a * c
-        elif cfg.cispo:
-            actor = -a * rc * c
-        else:
-            actor = max(-a * r, -a * rc)
-            if cfg.ratio_clip_c is not None and a < 0:
-                actor = min(actor, -a * cfg.ratio_clip_c)
-        w = 1.0
-        if cfg.use_importance_sampling_correction:
-            w = math.exp(f("prev_logprobs", b, t) - f("generation_logprobs", b, t))
-            kind = cfg.truncated_importance_sampling_type
-            if kind == "tis":
-                w = min(max(w, lo), hi)
-            elif kind == "icepop":
-                w = w if lo <= w <= hi else 0.0
-            elif kind == "seq-mask-tis":
-                us = seq_tokens(b)
-                geo = math.exp(
-                    sum(f("prev_logprobs", b, u) - f("generation_logprobs", b, u) for u in us)
-                    / len(us)
-                )
-                w = w if lo <= geo <= hi else 0.0
-        total = w * actor
-        if cfg.reference_policy_kl_penalty > 0:
-            logr = min(max(f("reference_policy_logprobs", b, t) - c, -20.0), 20.0)
-            kl = {"k1": -logr, "k2": logr * logr / 2, "k3": math.exp(logr) - 1 - logr}[
-                cfg.reference_policy_kl_type
-            ]
-            kl = min(max(kl, -10.0), 10.0)
-            total += cfg.reference_policy_kl_penalty * w * kl
-        per_tok[(b, t)] = total
-    if cfg.token_level_loss:
-        loss = sum(per_tok.values()) / n_tok
-    else:
-        seqs = sorted({b for b, _ in toks})
-        loss = (
-            sum(sum(per_tok[(b, t)] for t in seq_tokens(b)) / len(seq_tokens(b)) for b in seqs) / 2
-        )
-    if cfg.positive_example_nll_coef is not None:
-        pos = [(b, t) for b, t in toks if sum(f("advantages", b, u) for u in seq_tokens(b)) > 0]
-        loss += cfg.positive_example_nll_coef * -sum(float(curr[b, t]) for b, t in pos) / n_tok
-    return loss
+        c, a = curr[b][t], BASE["advantages"][b][t + 1]
+        p, g = BASE["prev_logprobs"][b][t + 1], BASE["generation_logprobs"][b][t + 1]
+        r = math.exp(c - p)
+        w = math.exp(p - g)
+        actor += w * max(-a * r, -a * min(max(r, 0.8), 1.2))
+        kl += _k3(BASE["reference_policy_logprobs"][b][t + 1] - c)  # no w here
+    n = len(toks)
+    assert float(loss) == pytest.approx(actor / n + beta * kl / n, rel=1e-7)
+    assert float(m["kl_penalty"]) == pytest.approx(kl / n, rel=1e-7)
 
 
-OPTIONS = {
-    "default": ClippedPGConfig(),
-    "asym-clip": ClippedPGConfig(ratio_clip_min=0.1, ratio_clip_max=0.28),
-    "dual-clip": ClippedPGConfig(ratio_clip_c=1.5, ratio_clip_min=0.05),
-    "no-ratio": ClippedPGConfig(disable_ppo_ratio=True),
-    "on-policy": ClippedPGConfig(force_on_policy_ratio=True),
-    "cispo": ClippedPGConfig(cispo=True),
-    "gspo": ClippedPGConfig(sequence_level_importance_ratios=True),
-    "is-plain": ClippedPGConfig(use_importance_sampling_correction=True),
-    "is-tis": ClippedPGConfig(
-        use_importance_sampling_correction=True,
-        truncated_importance_sampling_type="tis",
-        truncated_importance_sampling_ratio_min=0.5,
-        truncated_importance_sampling_ratio_max=1.2,
-    ),
-    "is-icepop": ClippedPGConfig(
+def test_icepop_keeps_the_kl_on_filtered_tokens():
+    base = dict(
         use_importance_sampling_correction=True,
         truncated_importance_sampling_type="icepop",
-        truncated_importance_sampling_ratio_min=0.5,
-        truncated_importance_sampling_ratio_max=1.2,
-    ),
-    "is-seq-mask": ClippedPGConfig(
+        truncated_importance_sampling_ratio=1.25,
+        truncated_importance_sampling_ratio_min=0.75,
+    )
+    with_kl = _run(
+        ClippedPGLoss(ClippedPGConfig(**base, reference_policy_kl_penalty=0.1)),
+        _data(),
+        BASE["next_token_logprobs"],
+    )
+    no_kl = _run(
+        ClippedPGLoss(ClippedPGConfig(**base, reference_policy_kl_penalty=0.0)),
+        _data(),
+        BASE["next_token_logprobs"],
+    )
+    # icepop zeroes the actor gradient of 3 of 5 tokens; the KL still reaches all 5.
+    kl_grad = with_kl[1] - no_kl[1]
+    assert (kl_grad[_data()["token_mask"][:, 1:] > 0] != 0).all()
+
+
+def test_clamped_kl_tokens_have_no_gradient():
+    beta, clamp_in, clamp_out = 0.5, 2.0, 1.0
+    data = _data(
+        reference_policy_logprobs=[[0.0, -4.0, -0.7, -1.4, 0.0], [0.0, -1.3, -3.5, 0.0, 0.0]]
+    )
+    cfg = ClippedPGConfig(
+        reference_policy_kl_penalty=beta,
+        kl_input_clamp_value=clamp_in,
+        kl_output_clamp_value=clamp_out,
+        ratio_clip_min=10.0,
+        ratio_clip_max=10.0,
+    )
+    adv0 = _data(
+        advantages=[[0.0] * 5] * 2,
+        reference_policy_logprobs=data["reference_policy_logprobs"].tolist(),
+    )
+    _, grad, _ = _run(ClippedPGLoss(cfg), adv0, BASE["next_token_logprobs"])
+    curr = BASE["next_token_logprobs"]
+    n = len(_tokens(adv0))
+    for b, t in _tokens(adv0):
+        logr = float(adv0["reference_policy_logprobs"][b, t + 1]) - curr[b][t]
+        if abs(logr) > clamp_in or _k3(max(-clamp_in, min(clamp_in, logr))) > clamp_out:
+            assert float(grad[b, t]) == 0.0, (b, t)  # a clamp is active: no gradient at all
+        else:  # d/dc [exp(c - sg(c)) * k3(ref - c)] = k3 + 1 - exp(ref - c)
+            want = beta / n * (_k3(logr) + 1 - math.exp(logr))
+            assert float(grad[b, t]) == pytest.approx(want, rel=1e-7), (b, t)
+    off = ClippedPGConfig(
+        reference_policy_kl_penalty=beta, kl_input_clamp_value=None, kl_output_clamp_value=None
+    )
+    _, grad_off, _ = _run(ClippedPGLoss(off), adv0, BASE["next_token_logprobs"])
+    assert (grad_off[_data()["token_mask"][:, 1:] > 0] != 0).all()  # clamps off: every token
+
+
+def test_gspo_uses_one_truncated_weight_per_sequence():
+    cfg = ClippedPGConfig(
+        reference_policy_kl_penalty=0.0,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.3,
+    )
+    data = _data()
+    loss, _, _ = _run(ClippedPGLoss(cfg), data, BASE["next_token_logprobs"])
+    curr, toks = BASE["next_token_logprobs"], _tokens(data)
+    total = 0.0
+    for b in range(2):
+        ts = [t for bb, t in toks if bb == b]
+        p = [BASE["prev_logprobs"][b][t + 1] for t in ts]
+        g = [BASE["generation_logprobs"][b][t + 1] for t in ts]
+        w = min(math.exp(sum(p) - sum(g)), 1.3)  # sum, not mean, of the log-ratio; then truncated
+        r = math.exp(sum(curr[b][t] - pp for t, pp in zip(ts, p, strict=True)) / len(ts))
+        per_tok = [
+            w * max(-a * r, -a * min(max(r, 0.8), 1.2))
+            for a in (BASE["advantages"][b][t + 1] for t in ts)
+        ]
+        total += sum(per_tok) / len(ts)
+    assert float(loss) == pytest.approx(total / 2, rel=1e-7)
+
+
+def test_force_on_policy_ignores_prev_and_wins_over_disable_ppo_ratio():
+    cfg = ClippedPGConfig(reference_policy_kl_penalty=0.0, force_on_policy_ratio=True)
+    loss_fn = ClippedPGLoss(cfg)
+    assert "prev_logprobs" not in loss_fn.required_keys
+    a = _run(loss_fn, _data(prev_logprobs=[[0.0] * 5] * 2), BASE["next_token_logprobs"])
+    b = _run(loss_fn, _data(), BASE["next_token_logprobs"])
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert float(a[2]["token_mult_prob_error"]) == float(b[2]["token_mult_prob_error"])
+    both = ClippedPGConfig(
+        reference_policy_kl_penalty=0.0, force_on_policy_ratio=True, disable_ppo_ratio=True
+    )
+    loss, grad, _ = _run(ClippedPGLoss(both), _data(), BASE["next_token_logprobs"])
+    toks = _tokens(_data())
+    adv = [BASE["advantages"][b][t + 1] for b, t in toks]
+    assert float(loss) == pytest.approx(-sum(adv) / len(adv), rel=1e-8)  # -A, not -A * curr
+    for (b, t), a_ in zip(toks, adv, strict=True):
+        assert float(grad[b, t]) == pytest.approx(-a_ / len(adv), rel=1e-8)
+
+
+def test_seq_mask_tis_keeps_a_sequence_with_a_minus_inf_generation_logprob():
+    gen = [row[:] for row in BASE["generation_logprobs"]]
+    gen[1][1] = -math.inf  # a token the generator filtered out
+    cfg = ClippedPGConfig(
+        reference_policy_kl_penalty=0.0,
         use_importance_sampling_correction=True,
         truncated_importance_sampling_type="seq-mask-tis",
-        truncated_importance_sampling_ratio_min=0.8,
-        truncated_importance_sampling_ratio_max=1.25,
-    ),
-    "kl-k1": ClippedPGConfig(reference_policy_kl_type="k1", reference_policy_kl_penalty=0.1),
-    "kl-k2": ClippedPGConfig(reference_policy_kl_type="k2", reference_policy_kl_penalty=0.1),
-    "kl-k3": ClippedPGConfig(reference_policy_kl_type="k3", reference_policy_kl_penalty=0.1),
-    "no-kl": ClippedPGConfig(reference_policy_kl_penalty=0.0),
-    "sequence-level": ClippedPGConfig(token_level_loss=False),
-    "positive-nll": ClippedPGConfig(positive_example_nll_coef=0.5),
-}
-
-
-@pytest.mark.parametrize("name", sorted(OPTIONS))
-def test_clipped_pg_matches_hand_computation(name):
-    cfg = OPTIONS[name]
-    curr, data = _batch()
-    toks, seqs = torch.tensor(float(len(_tokens(data)))), torch.tensor(2.0)
-    loss, metrics = ClippedPGLoss(cfg)(curr, data, global_valid_seqs=seqs, global_valid_toks=toks)
-    assert loss.item() == pytest.approx(_hand(cfg, curr, data), rel=1e-5, abs=1e-6)
-    assert metrics["loss"].item() == pytest.approx(loss.item())
-
-
-def test_ppo_surrogate_literal_values():
-    # A = 1, r = e^0.5 -> clipped to 1.2: surrogate -1.2. A = -1, r = e^-0.5 -> max(0.6065, 0.8) = 0.8.
-    curr = torch.tensor([[0.0, -0.5], [0.0, -1.5]])
-    data = BatchedDataDict(
-        token_mask=torch.ones(2, 2),
-        sample_mask=torch.ones(2),
-        advantages=torch.tensor([[0.0, 1.0], [0.0, -1.0]]),
-        prev_logprobs=torch.tensor([[0.0, -1.0], [0.0, -1.0]]),
-        generation_logprobs=torch.tensor([[0.0, -1.0], [0.0, -1.0]]),
+        truncated_importance_sampling_ratio=1.5,
+        truncated_importance_sampling_ratio_min=0.5,
     )
-    cfg = ClippedPGConfig(reference_policy_kl_penalty=0.0)
-    loss, m = ClippedPGLoss(cfg)(
-        curr, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=torch.tensor(2.0)
+    loss, grad, m = _run(
+        ClippedPGLoss(cfg), _data(generation_logprobs=gen), BASE["next_token_logprobs"]
     )
-    assert loss.item() == pytest.approx((-1.2 + 0.8) / 2, rel=1e-6)
-    assert m["clipped_fraction"].item() == pytest.approx(1.0)
-    assert m["probs_ratio"].item() == pytest.approx((math.exp(0.5) + math.exp(-0.5)) / 2, rel=1e-6)
-    assert m["token_mult_prob_error"].item() == pytest.approx(1.0)
+    assert math.isfinite(float(loss))
+    # log-ratio sanitized to 0 at the -inf token: sequence 1's mean is (0 + (-1.0 + 0.7)) / 2
+    assert math.exp((0 - 0.3) / 2) > 0.5 and float(m["is_oob_ratio"]) == 0.0
+    assert float(grad[1, 1]) != 0.0  # its other token still trains
 
 
-def test_gradients_of_cispo_and_on_policy():
-    curr, data = _batch()
-    toks = torch.tensor(float(len(_tokens(data))))
-    for cfg in (
-        ClippedPGConfig(cispo=True, reference_policy_kl_penalty=0.0),
-        ClippedPGConfig(force_on_policy_ratio=True, reference_policy_kl_penalty=0.0),
-    ):
-        x = curr.clone().requires_grad_(True)
-        loss, _ = ClippedPGLoss(cfg)(
-            x, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=toks
-        )
-        loss.backward()
-        expected = torch.zeros_like(curr)
-        for b, t in _tokens(data):
-            a = float(data["advantages"][b, t])
-            if cfg.cispo:
-                r = math.exp(float(curr[b, t] - data["prev_logprobs"][b, t]))
-                expected[b, t] = -a * min(max(r, 0.8), 1.2) / toks
-            else:
-                expected[b, t] = -a / toks
-        assert torch.allclose(x.grad, expected, atol=1e-6)
-
-
-def test_kl_weight_gives_score_function_gradient():
-    # d/dcurr [k3 * exp(curr - sg(curr))] = k3 + dk3/dcurr at the same point.
-    curr = torch.tensor([[0.0, -1.0]], requires_grad=True)
-    ref = torch.tensor([[0.0, -0.5]])
-    from policyworker.losses.clipped_pg import kl_estimate
-
-    kl = kl_estimate(curr, ref, ClippedPGConfig())
-    kl[0, 1].backward()
-    logr = 0.5
-    k3 = math.exp(logr) - 1 - logr
-    dk3 = -(math.exp(logr) - 1)
-    assert curr.grad[0, 1].item() == pytest.approx(k3 + dk3, rel=1e-6)
-
-
-def test_seq_logprob_error_threshold_drops_sequences():
-    _, data = _batch()
-    loss_fn = ClippedPGLoss(ClippedPGConfig(seq_logprob_error_threshold=2.0))
-    out = loss_fn.prepare_batch(data)
-    # sequence 0 has a token with |gen - prev| = 2.9 -> mean exp error 5.5 > 2; sequence 1 (1.7) stays.
-    assert out["sample_mask"].tolist() == [0.0, 1.0]
-    assert data["sample_mask"].tolist() == [1.0, 1.0]  # input untouched
-
-
-def test_nll_and_masked_mean():
-    curr, data = _batch()
-    toks = _tokens(data)
-    loss, _ = NLLLoss()(
-        curr, data, global_valid_seqs=torch.tensor(2.0), global_valid_toks=torch.tensor(10.0)
-    )
-    assert loss.item() == pytest.approx(-sum(float(curr[b, t]) for b, t in toks) / 10.0, rel=1e-6)
-    assert masked_mean(torch.ones(3), torch.tensor([1.0, 0.0, 1.0]), 4.0).item() == pytest.approx(
-        0.5, rel=1e-6
-    )
+def test_positive_nll_selects_by_reward_not_advantage():
+    # An all-correct group has advantage 0 everywhere, but its samples have reward 1.
+    data = _data(advantages=[[0.0] * 5] * 2, rewards=[1.0, 1.0])
+    cfg = ClippedPGConfig(reference_policy_kl_penalty=0.0, positive_example_nll_weight=0.5)
+    loss_fn = ClippedPGLoss(cfg)
+    assert "rewards" in loss_fn.required_keys
+    loss, _, m = _run(loss_fn, data, BASE["next_token_logprobs"])
+    curr = BASE["next_token_logprobs"]
+    nll = -sum(curr[b][t] for b, t in _tokens(data)) / len(_tokens(data))
+    assert float(m["positive_nll_loss"]) == pytest.approx(nll, rel=1e-7)
+    assert float(loss) == pytest.approx(0.5 * nll, rel=1e-7)
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "kwargs,field",
     [
-        {"ratio_clip_c": 1.0},
-        {"reference_policy_kl_type": "k4"},
-        {"truncated_importance_sampling_type": "x"},
-        {"ratio_clip_min": -0.1},
-        {"cispo": True, "disable_ppo_ratio": True},
+        ({"use_cispo": True, "ratio_clip_c": 3.0}, "use_cispo"),
+        ({"use_cispo": True, "force_on_policy_ratio": True}, "use_cispo"),
+        ({"use_cispo": True, "disable_ppo_ratio": True}, "use_cispo"),
+        (
+            {
+                "use_cispo": True,
+                "sequence_level_importance_ratios": True,
+                "token_level_loss": False,
+            },
+            "use_cispo",
+        ),
+        ({"use_cispo": True, "token_level_loss": False}, "use_cispo"),
+        ({"sequence_level_importance_ratios": True}, "sequence_level_importance_ratios"),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 2.0,
+                "truncated_importance_sampling_ratio_min": 0.5,
+                "sequence_level_importance_ratios": True,
+                "token_level_loss": False,
+            },
+            "seq-mask-tis",
+        ),
+        (
+            {
+                "truncated_importance_sampling_type": "tis",
+                "truncated_importance_sampling_ratio": 2.0,
+            },
+            "use_importance_sampling_correction",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "icepop",
+                "truncated_importance_sampling_ratio": 2.0,
+            },
+            "truncated_importance_sampling_ratio_min",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "tis",
+            },
+            "truncated_importance_sampling_ratio",
+        ),
+        ({"truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_type"),
+        ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
+        ({"ratio_clip_min": -0.1}, "ratio_clip_min"),
+        ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
+        ({"kl_input_clamp_value": 0.0}, "kl_input_clamp_value"),
+        ({"positive_example_nll_weight": -1.0}, "positive_example_nll_weight"),
     ],
 )
-def test_bad_loss_options_raise(kwargs):
-    with pytest.raises(ValueError):
+def test_bad_loss_options_raise(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace("(", r"\(")):
         ClippedPGConfig(**kwargs)
+
+
+def test_seq_logprob_error_threshold_drops_sequences():
+    data = _data()
+    data["generation_logprobs"][1, 2] -= 5.0  # sequence 1 now disagrees badly
+    out = ClippedPGLoss(ClippedPGConfig(seq_logprob_error_threshold=2.0)).prepare_batch(data)
+    assert out["sample_mask"].tolist() == [1.0, 0.0]
+    assert data["sample_mask"].tolist() == [1.0, 1.0]  # the caller's batch is untouched
+
+
+# --- NLL and DPO: the reference's unit-test cases -----------------------------------------------
+
+
+def _logprobs_from_logits(logits, ids):
+    return token_logprobs(logits, ids, temperature=1.0, tp_group=None, tp_rank=0)
+
+
+def test_nll_reference_cases():
+    ids = torch.arange(4)[None, :]
+    data = {
+        "input_ids": ids,
+        "token_mask": torch.tensor([[0, 0, 1, 1.0]]),
+        "sample_mask": torch.ones(1),
+    }
+    for target_offset, want in ((0, 0.0), (-1, 999.0)):  # confident and right / confident and wrong
+        logits = torch.zeros(1, 4, 8)
+        for i in range(3):
+            logits[0, i, i + 1 + target_offset] = 999.0
+        lp = _logprobs_from_logits(logits, ids)
+        loss_fn = NLLLoss()
+        loss, m = loss_fn(LossInputs(logprobs=lp), data, loss_fn.counts(data))
+        assert float(loss) == pytest.approx(want, abs=1e-4)
+        assert float(m["num_unmasked_tokens"]) == 2
+
+
+def _dpo_data(batch_pairs=1, seq=4, vocab=16):
+    return {
+        "input_ids": torch.arange(vocab // 2).reshape(2 * batch_pairs, seq),
+        "token_mask": torch.tensor([[0, 0, 1, 1.0], [0, 0, 1, 1.0]]),
+        "sample_mask": torch.ones(2),
+        "reference_policy_logprobs": torch.zeros(2 * batch_pairs, seq),
+    }
+
+
+def _dpo(cfg, data, logits):
+    loss_fn = DPOLoss(cfg)
+    lp = _logprobs_from_logits(logits, data["input_ids"])
+    return loss_fn(LossInputs(logprobs=lp), data, loss_fn.counts(data))
+
+
+def test_dpo_reference_cases():
+    data, logits = _dpo_data(), torch.zeros(2, 4, 16)
+    loss, _ = _dpo(DPOConfig(reference_policy_kl_penalty=0.0), data, logits)
+    assert float(loss) == pytest.approx(math.log(2))  # -logsigmoid(0): equal rewards
+    loss, m = _dpo(DPOConfig(reference_policy_kl_penalty=0.0, sft_loss_weight=0.5), data, logits)
+    expected_sft = math.log(16) * 2  # two chosen tokens, each -log(1/16)
+    assert float(loss) == pytest.approx(0.5 * expected_sft + math.log(2))
+    assert float(m["sft_loss"]) == pytest.approx(expected_sft)
+
+
+def test_dpo_averaging_over_varying_lengths():
+    lengths = [3, 5, 4, 6]
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    mask = torch.zeros(4, 6)
+    for i, n in enumerate(lengths):
+        ids[i, :n], mask[i, :n] = torch.arange(n), 1.0
+    data = {
+        "input_ids": ids,
+        "token_mask": mask,
+        "sample_mask": torch.ones(4),
+        "reference_policy_logprobs": torch.zeros(4, 6),
+    }
+    logits = torch.zeros(4, 6, 10)
+    base = dict(reference_policy_kl_penalty=0.1, sft_loss_weight=0.5)
+    _, m = _dpo(DPOConfig(**base), data, logits)
+    _, m_avg = _dpo(
+        DPOConfig(**base, preference_average_log_probs=True, sft_average_log_probs=True),
+        data,
+        logits,
+    )
+    per_token = math.log(10)  # uniform logits
+    chosen_tokens = [n - 1 for n in lengths[::2]]  # positions 1: of the chosen rows
+    assert float(m["sft_loss"]) == pytest.approx(per_token * sum(chosen_tokens) / 2)
+    assert float(m_avg["sft_loss"]) == pytest.approx(per_token)
+
+
+def test_dpo_by_hand():
+    g = torch.Generator().manual_seed(1)
+    lp = -torch.rand(4, 5, generator=g, dtype=F64)
+    lp[:, 0] = 0
+    ref = -torch.rand(4, 5, generator=g, dtype=F64)
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1.0]])
+    data = {
+        "token_mask": mask,
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 0.0]),
+        "reference_policy_logprobs": ref,
+    }
+    beta = 0.3
+    loss_fn = DPOLoss(DPOConfig(reference_policy_kl_penalty=beta, sft_loss_weight=0.2))
+    counts = {k: v.to(F64) for k, v in loss_fn.counts(data).items()}
+    loss, m = loss_fn(LossInputs(logprobs=lp), data, counts)
+    r = [float(((lp[i, 1:] - ref[i, 1:]) * mask[i, 1:]).sum()) for i in range(4)]
+    pref = -math.log(1 / (1 + math.exp(-beta * (r[0] - r[1]))))  # only pair 0 is valid
+    sft = -float((lp[0, 1:] * mask[0, 1:]).sum())
+    assert float(loss) == pytest.approx(pref + 0.2 * sft, rel=1e-7)
+    assert float(m["rewards_margin_mean"]) == pytest.approx(r[0] - r[1], rel=1e-7)
+    assert float(m["accuracy"]) == pytest.approx(float(r[0] > r[1]))
+    assert float(m["num_valid_samples"]) == 1.0
+    assert DPOLoss().rows_per_example == 2
+
+
+# --- distillation against a brute-force full-vocabulary computation -----------------------------
+
+
+def _brute_force_distillation(logits, t_logits, t_idx, mask, cfg):
+    """The reference's formulas on plain full-vocabulary tensors (fp64)."""
+    full = torch.log_softmax(logits, -1)
+    s = full.gather(-1, t_idx)[:, :-1]
+    if not cfg.zero_outside_topk:
+        s = torch.log_softmax(logits.gather(-1, t_idx), -1)[:, :-1]
+    t = torch.log_softmax(t_logits, -1)[:, :-1]
+    fwd = (t.exp() * (t - s)).sum(-1)
+    rev = (s.exp() * (s - t)).sum(-1)
+    w = {"forward": 1.0, "reverse": 0.0, "mixed": cfg.mixed_kl_weight}[cfg.kl_type]
+    kl = w * fwd + (1 - w) * rev
+    if cfg.zero_outside_topk and cfg.kl_type != "forward":
+        h_all = (full.exp() * full).sum(-1)[:, :-1]
+        h_rest = h_all - (s.exp() * s).sum(-1)
+        kl = kl + (1 - w) * (h_rest + 100.0 * (1 - s.exp().sum(-1)))
+    m = mask[:, 1:]
+    return (kl * m).sum() / (m.sum() + 1e-8)
+
+
+@pytest.mark.parametrize("kl_type", ["forward", "reverse", "mixed"])
+@pytest.mark.parametrize("zero_outside_topk", [False, True])
+def test_distillation_equals_brute_force(kl_type, zero_outside_topk):
+    g = torch.Generator().manual_seed(2)
+    b, s, v, k = 2, 6, 11, 3
+    logits = torch.randn(b, s, v, generator=g, dtype=F64, requires_grad=True)
+    t_logits = torch.randn(b, s, k, generator=g, dtype=F64)
+    t_idx = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(b * s)]).reshape(b, s, k)
+    mask = (torch.rand(b, s, generator=g) > 0.3).to(F64)
+    data = {
+        "token_mask": mask,
+        "sample_mask": torch.ones(b, dtype=F64),
+        "teacher_topk_logits": t_logits,
+        "teacher_topk_indices": t_idx,
+    }
+    cfg = DistillationConfig(
+        kl_type=kl_type, mixed_kl_weight=0.3, zero_outside_topk=zero_outside_topk
+    )
+    loss_fn = DistillationLoss(cfg)
+    tp = dict(temperature=1.0, tp_group=None)
+    inputs = LossInputs(
+        index_logprobs=index_logprobs(logits, t_idx, **tp, tp_rank=0),
+        entropy=vocab_parallel_entropy(logits, **tp) if loss_fn.needs.entropy else None,
+    )
+    counts = {k_: v_.to(F64) for k_, v_ in loss_fn.counts(data).items()}
+    loss, _ = loss_fn(inputs, data, counts)
+    (grad,) = torch.autograd.grad(loss, logits)
+    want = _brute_force_distillation(logits, t_logits, t_idx, mask, cfg)
+    (want_grad,) = torch.autograd.grad(want, logits)
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-8, atol=1e-12)
+
+
+def test_distillation_of_the_teacher_itself_is_zero():
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 5, 9, generator=g)
+    vals, idx = logits.topk(4, dim=-1)
+    data = {
+        "token_mask": torch.ones(1, 5),
+        "sample_mask": torch.ones(1),
+        "teacher_topk_logits": vals,
+        "teacher_topk_indices": idx,
+    }
+    loss_fn = DistillationLoss(DistillationConfig(kl_type="mixed"))
+    lp = index_logprobs(logits, idx, temperature=1.0, tp_group=None, tp_rank=0)
+    loss, _ = loss_fn(LossInputs(index_logprobs=lp), data, loss_fn.counts(data))
+    assert abs(float(loss)) < 1e-6
+
+
+# --- ops and the metric reduction ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_index_logprobs_and_entropy_ops_equal_autograd(temperature):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 5, 13, generator=g, dtype=F64, requires_grad=True)
+    idx = torch.randint(0, 13, (2, 5, 4), generator=g)
+    lp = index_logprobs(logits, idx, temperature=temperature, tp_group=None, tp_rank=0)
+    ent = vocab_parallel_entropy(logits, temperature=temperature, tp_group=None)
+    ref_lp = torch.log_softmax(logits / temperature, -1)
+    torch.testing.assert_close(lp, ref_lp.gather(-1, idx))
+    torch.testing.assert_close(ent, -(ref_lp.exp() * ref_lp).sum(-1))
+    w1, w2 = torch.randn(2, 5, 4, dtype=F64), torch.randn(2, 5, dtype=F64)
+    got = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), logits)[0]
+    want = torch.autograd.grad(
+        (ref_lp.gather(-1, idx) * w1).sum() - ((ref_lp.exp() * ref_lp).sum(-1) * w2).sum(), logits
+    )[0]
+    torch.testing.assert_close(got, want)
+
+
+def test_reduce_metrics_sums_and_takes_extremes():
+    stores = [
+        {
+            "loss": torch.tensor(0.25),
+            "probs_ratio_min": torch.tensor(0.5),
+            "probs_ratio_max": torch.tensor(1.5),
+        },
+        {
+            "loss": torch.tensor(0.5),
+            "probs_ratio_min": torch.tensor(float("inf")),
+            "probs_ratio_max": torch.tensor(2.0),
+        },
+    ]
+    assert reduce_metrics(stores, None) == {
+        "loss": 0.75,
+        "probs_ratio_min": 0.5,
+        "probs_ratio_max": 2.0,
+    }
+
+
+def test_masked_mean_uses_the_given_denominator():
+    v, m = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 0.0, 1.0])
+    assert float(masked_mean(v, m, 8.0)) == pytest.approx(0.5)
+    assert float(masked_mean(v, m)) == pytest.approx(2.0)

@@ -1,5 +1,6 @@
 """TP2, PP2 and DP2 on two CPU ranks (gloo) give the single-rank results: logprobs, top-k,
-reference logprobs, train metrics and the weights after two GRPO steps (via their logprobs)."""
+reference logprobs, train metrics and the weights after two GRPO steps (via their logprobs), and
+the loss and gradient norm of a step of ClippedPG (IS, TIS, KL, NLL), DPO and distillation."""
 
 import os
 import subprocess
@@ -54,13 +55,17 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
 
     for step, want in enumerate(single["train"]):
         for rank_metrics in got["train"]:  # every rank reports the global figures
-            for key in ("loss", "grad_norm", "global_valid_toks", "probs_ratio"):
+            for key in ("loss", "grad_norm", "global_valid_toks"):
                 assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-5), (step, key)
+            for key in ("probs_ratio", "probs_ratio_min", "accuracy", "kl_penalty"):
+                if key in want:
+                    assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-5), key
     # Training moved the weights, and moved them the same way.
     moved = (single["logprobs_after"] - single["logprobs"]).abs().max()
     assert moved > 1e-2
     assert (got["logprobs_after"] - single["logprobs_after"]).abs().max() <= 1e-4
+    assert (got["logprobs_final"] - single["logprobs_final"]).abs().max() <= 1e-4
     # The HF export (TP shards gathered, one file per pipeline stage) holds the trained weights.
     exported = tmp_path / "out.hf"
     assert len(list(exported.glob("*.safetensors"))) == pp
-    assert (hf_logprobs(exported, fixed_batch(VOCAB)) - got["logprobs_after"]).abs().max() <= 1e-4
+    assert (hf_logprobs(exported, fixed_batch(VOCAB)) - got["logprobs_final"]).abs().max() <= 1e-4

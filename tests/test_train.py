@@ -94,8 +94,8 @@ def test_use_reference_model_restores_on_error(llama_dir):
 
 
 class _NaNLoss(NLLLoss):
-    def __call__(self, logprobs, data, **kw):
-        loss, metrics = super().__call__(logprobs, data, **kw)
+    def __call__(self, inputs, data, counts):
+        loss, metrics = super().__call__(inputs, data, counts)
         return loss * float("nan"), metrics
 
 
@@ -136,13 +136,23 @@ def test_metrics_report_the_contract(llama_dir):
         "probs_ratio",
         "clipped_fraction",
         "token_mult_prob_error",
-        "kl",
+        "kl_penalty",
         "entropy",
+        "probs_ratio_min",
+        "probs_ratio_max",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+        "sampling_importance_ratio",
+        "approx_entropy",
+        "num_valid_samples",
     ):
         assert key in m, key
     view = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     assert m["global_valid_toks"] == view.sum().item()
     assert m["global_valid_seqs"] == 3
+    assert m["num_valid_samples"] == 3
+    assert m["probs_ratio_min"] <= m["probs_ratio"] <= m["probs_ratio_max"]
 
 
 def test_bfloat16_trains_with_fp32_master_weights(llama_dir):

@@ -1,4 +1,4 @@
-"""The batch contract (REFERENCE.md), checked before any work or state change.
+"""The batch contract (docs/semantics.md), checked before any work or state change.
 
 Per-sample fields are `[B]`, per-token fields `[B, S]` aligned with `input_ids` (right-padded).
 """
@@ -17,8 +17,9 @@ PER_TOKEN_FLOAT = (
     "reference_policy_logprobs",
 )
 PER_TOKEN_MASK = ("token_mask",)
-PER_SAMPLE = ("sample_mask",)
-_MUST_BE_FINITE = ("advantages", "token_mask", "sample_mask")
+PER_SAMPLE = ("sample_mask", "rewards")
+PER_TOKEN_TOPK = ("teacher_topk_logits", "teacher_topk_indices")  # [B, S, k], as get_topk_logits
+_MUST_BE_FINITE = ("advantages", "token_mask", "sample_mask", "rewards", "teacher_topk_logits")
 
 
 class BatchValidationError(ValueError):
@@ -77,7 +78,33 @@ def validate_batch(
     for key in PER_TOKEN_FLOAT:
         if key in keys and not data[key].dtype.is_floating_point:
             _fail(key, "a floating-point dtype", str(data[key].dtype))
+    if any(key in keys for key in PER_TOKEN_TOPK):
+        _check_topk(data, b, s, vocab_size)
     return b, s
+
+
+def _check_topk(data: Any, b: int, s: int, vocab_size: int) -> None:
+    """The teacher's top-k pair: [B, S, k] logits (float) and vocabulary ids, same k."""
+    logits, ids = (data.get(key) for key in PER_TOKEN_TOPK)
+    for key, value in zip(PER_TOKEN_TOPK, (logits, ids), strict=True):
+        if not isinstance(value, torch.Tensor) or value.dim() != 3 or value.shape[:2] != (b, s):
+            _fail(key, f"a tensor [B={b}, S={s}, k]", _describe(value))
+    if logits.shape != ids.shape:
+        _fail(
+            "teacher_topk_indices",
+            f"the shape of teacher_topk_logits {list(logits.shape)}",
+            str(list(ids.shape)),
+        )
+    _check_shape("teacher_topk_logits", logits, tuple(logits.shape), integer=False)
+    if not logits.dtype.is_floating_point:
+        _fail("teacher_topk_logits", "a floating-point dtype", str(logits.dtype))
+    _check_shape("teacher_topk_indices", ids, tuple(ids.shape), integer=True)
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        _fail(
+            "teacher_topk_indices",
+            f"ids in [0, {vocab_size})",
+            f"range [{int(ids.min())}, {int(ids.max())}]",
+        )
 
 
 def _check_shape(key: str, value: Any, shape: tuple[int, ...], *, integer: bool) -> None:

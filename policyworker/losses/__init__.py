@@ -1,14 +1,21 @@
-"""Losses: pure functions of tensors, normalized by global counts."""
+"""Losses: pure functions of tensors, normalized by global counts (see `common`)."""
 
 from policyworker.losses.clipped_pg import ClippedPGConfig, ClippedPGLoss
-from policyworker.losses.common import LossFunction, global_counts, masked_mean
+from policyworker.losses.common import Loss, LossInputs, LossNeeds, masked_mean
+from policyworker.losses.distillation import DistillationConfig, DistillationLoss
+from policyworker.losses.dpo import DPOConfig, DPOLoss
 from policyworker.losses.nll import NLLLoss
 
 __all__ = [
     "ClippedPGConfig",
     "ClippedPGLoss",
-    "LossFunction",
+    "DPOConfig",
+    "DPOLoss",
+    "DistillationConfig",
+    "DistillationLoss",
+    "Loss",
+    "LossInputs",
+    "LossNeeds",
     "NLLLoss",
-    "global_counts",
     "masked_mean",
 ]

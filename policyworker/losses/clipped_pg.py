@@ -1,31 +1,42 @@
-"""Clipped policy-gradient loss (PPO / GRPO and relatives), as REFERENCE.md specifies it.
+"""Clipped policy-gradient loss (PPO / GRPO and relatives), with NeMo-RL's exact semantics.
 
-Per token (positions 1:, masked by token_mask * sample_mask), with r = exp(curr - prev):
+Per token (positions 1:, mask = token_mask * sample_mask), with r = exp(curr - prev):
 
-    actor = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))     (PPO surrogate)
-          -> min(actor, -A * c) where A < 0                            (dual clip, c > 1)
-          -> -A * curr                                                (disable_ppo_ratio)
-          -> -A * sg(clip(r)) * curr                                  (CISPO)
-    r     -> exp(masked mean of log r over the sequence)              (GSPO, sequence level)
-    w     =  exp(prev - gen), NaN/inf -> 0, truncated by tis / icepop / seq-mask-tis
-    kl    =  clamp(k(clamp(ref - curr, +-20)), +-10) * exp(curr - sg(curr)), k in k1/k2/k3
-    total =  mean(w * actor) + beta * mean(w * kl) [+ coef * NLL on positive samples]
+    actor = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))      (PPO surrogate)
+          -> min(actor, -A * c) where A < 0                             (dual clip, c > 1)
+          -> -A * curr                                                 (disable_ppo_ratio)
+          -> -A * sg(clip(r)) * curr                                   (CISPO)
+    r     -> exp(masked mean of log r over the sequence)               (GSPO)
+    prev  -> sg(curr) everywhere                                       (force_on_policy_ratio)
+    w     =  exp(prev - gen) (NaN/inf -> 0); one weight per sequence, exp(sum(prev - gen)),
+             under GSPO; truncated by tis (clamp) / icepop (zero outside) / seq-mask-tis (zero
+             whole sequences whose geometric-mean ratio is outside)
+    kl    =  clamp(w_kl * k(clamp(ref - curr, +-in)), +-out), w_kl = exp(curr - sg(curr)), or
+             exp(curr - gen) with the on-policy approximation; w_kl is detached where the input
+             clamp is active, so a clamped token has no gradient
+    total =  reduce(w * actor) + beta * reduce(kl) + mu * NLL(samples with reward > 0)
+
+`reduce` is a token mean over the global batch (token_level_loss) or a mean per sequence, then
+over sequences. The importance weight w multiplies the actor term only. docs/semantics.md lists
+every option and metric.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-from policyworker.losses.common import TokenView, masked_mean
+from policyworker.losses.common import Loss, LossInputs, LossNeeds, TokenView, masked_mean
+
+TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ClippedPGConfig:
-    """Options of `ClippedPGLoss`; defaults are GRPO's."""
+    """Options of `ClippedPGLoss`, named as NeMo-RL's `ClippedPGLossConfig`; defaults are GRPO's."""
 
     ratio_clip_min: float = 0.2
     """eps_low: the ratio is clipped below at 1 - eps_low."""
@@ -34,112 +45,214 @@ class ClippedPGConfig:
     ratio_clip_c: float | None = None
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     disable_ppo_ratio: bool = False
-    """REINFORCE on the logprob: no ratio, no clipping."""
+    """REINFORCE on the logprob: loss -A * curr, no ratio, no clipping."""
     force_on_policy_ratio: bool = False
-    """Use prev := sg(curr), so r == 1 with the on-policy gradient."""
-    cispo: bool = False
+    """prev := sg(curr) everywhere (r == 1, the on-policy gradient); prev_logprobs is not read."""
+    use_cispo: bool = False
     """CISPO: -A * sg(clip(r)) * curr."""
     sequence_level_importance_ratios: bool = False
-    """GSPO: one ratio per sequence, the exp of its masked mean log-ratio."""
+    """GSPO: one ratio per sequence, the exp of its masked mean log-ratio (needs
+    token_level_loss=False)."""
+    token_level_loss: bool = True
+    """Mean over all tokens of the global batch (True) or per sequence, then over sequences."""
     use_importance_sampling_correction: bool = False
-    """Weight tokens by exp(prev - gen) for trainer/generator mismatch."""
-    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
-    """tis: clamp w to [min, max]; icepop: zero w outside; seq-mask-tis: mask whole sequences whose
-    geometric-mean ratio is outside [min, max]."""
-    truncated_importance_sampling_ratio_min: float = 0.0
-    """Lower bound for the truncation."""
-    truncated_importance_sampling_ratio_max: float = 2.0
-    """Upper bound for the truncation."""
+    """Weight the actor term by exp(prev - gen) for trainer/generator mismatch."""
+    truncated_importance_sampling_type: TruncationType | None = None
+    """tis: clamp w to [min, max]; icepop: zero w outside [min, max]; seq-mask-tis: zero whole
+    sequences whose geometric-mean ratio is outside [min, max]."""
+    truncated_importance_sampling_ratio: float | None = None
+    """Upper bound of the truncation (required with a truncation type)."""
+    truncated_importance_sampling_ratio_min: float | None = None
+    """Lower bound of the truncation (tis: default 0; required for icepop and seq-mask-tis)."""
     reference_policy_kl_penalty: float = 0.01
     """beta: weight of the KL to the reference policy (0 disables it)."""
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator."""
-    kl_input_clamp_value: float = 20.0
-    """Clamp of the log-ratio ref - curr before the estimator."""
-    kl_output_clamp_value: float = 10.0
-    """Clamp of the per-token KL estimate."""
-    token_level_loss: bool = True
-    """Mean over all tokens of the global batch (True) or per sequence, then over sequences."""
-    positive_example_nll_coef: float | None = None
-    """Add coef * NLL on samples with positive advantage (None: off)."""
+    """KL estimator (Schulman's k1, k2, k3)."""
+    kl_input_clamp_value: float | None = 20.0
+    """Clamp of the log-ratio ref - curr before the estimator (None: off)."""
+    kl_output_clamp_value: float | None = 10.0
+    """Clamp of the weighted per-token KL (None: off)."""
+    use_on_policy_kl_approximation: bool = False
+    """Weight the KL by exp(curr - gen) (samples come from the generator), not exp(curr - sg(curr))."""
+    use_kl_in_reward: bool = False
+    """The KL goes into the reward (the caller's job, e.g. Reinforce++): no KL term in the loss."""
+    positive_example_nll_weight: float = 0.0
+    """mu: add mu * NLL of samples whose `rewards` [B] is > 0 (VAPO); 0 disables it."""
     seq_logprob_error_threshold: float | None = None
-    """Drop (sample_mask = 0) sequences whose mean exp(|gen - prev|) exceeds this (None: keep all)."""
+    """Drop (sample_mask = 0) sequences whose mean exp(|gen - prev|) exceeds this (None: keep)."""
 
     def __post_init__(self) -> None:
-        for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
-        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
-            raise ValueError(f"ratio_clip_c: expected > 1 or None, got {self.ratio_clip_c}")
-        if self.reference_policy_kl_type not in ("k1", "k2", "k3"):
-            raise ValueError(
-                f"reference_policy_kl_type: expected k1/k2/k3, got {self.reference_policy_kl_type!r}"
-            )
-        kinds = (None, "tis", "icepop", "seq-mask-tis")
-        if self.truncated_importance_sampling_type not in kinds:
-            raise ValueError(
-                f"truncated_importance_sampling_type: expected one of {kinds}, "
-                f"got {self.truncated_importance_sampling_type!r}"
-            )
-        if (
-            self.truncated_importance_sampling_ratio_min
-            > self.truncated_importance_sampling_ratio_max
-        ):
-            raise ValueError("truncated_importance_sampling_ratio_min: expected <= ratio_max")
-        if self.disable_ppo_ratio and self.cispo:
-            raise ValueError("cispo: cannot be combined with disable_ppo_ratio")
+        _validate(self)
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.reference_policy_kl_penalty != 0 and not self.use_kl_in_reward
 
 
-def _per_sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+def _validate(c: ClippedPGConfig) -> None:
+    def refuse(bad: bool, message: str) -> None:
+        if bad:
+            raise ValueError(message)
 
-
-def kl_estimate(curr: torch.Tensor, ref: torch.Tensor, cfg: ClippedPGConfig) -> torch.Tensor:
-    """Per-token KL(curr || ref) estimate with both clamps and the score-function weight."""
-    logr = (ref - curr).clamp(-cfg.kl_input_clamp_value, cfg.kl_input_clamp_value)
-    if cfg.reference_policy_kl_type == "k1":
-        kl = -logr
-    elif cfg.reference_policy_kl_type == "k2":
-        kl = logr.pow(2) / 2
-    else:
-        kl = logr.exp() - 1 - logr
-    kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
-    return kl * torch.exp(curr - curr.detach())
-
-
-def importance_weights(
-    prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, cfg: ClippedPGConfig
-) -> torch.Tensor:
-    """w = exp(prev - gen) (NaN/inf -> 0), truncated as configured; [B, S-1], no grad."""
-    w = torch.exp(prev - gen).detach()
-    w = torch.where(torch.isfinite(w), w, torch.zeros_like(w))
-    lo, hi = (
-        cfg.truncated_importance_sampling_ratio_min,
-        cfg.truncated_importance_sampling_ratio_max,
+    for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
+        refuse(getattr(c, name) < 0, f"{name}: expected >= 0, got {getattr(c, name)}")
+    refuse(
+        c.ratio_clip_c is not None and c.ratio_clip_c <= 1,
+        f"ratio_clip_c: expected > 1 or None, got {c.ratio_clip_c}",
     )
-    kind = cfg.truncated_importance_sampling_type
-    if kind == "tis":
-        w = w.clamp(lo, hi)
-    elif kind == "icepop":
-        w = torch.where((w >= lo) & (w <= hi), w, torch.zeros_like(w))
-    elif kind == "seq-mask-tis":
-        geo = torch.exp(_per_sequence_mean(prev - gen, mask))  # [B]
-        keep = ((geo >= lo) & (geo <= hi)).to(w.dtype)
-        w = w * keep[:, None]
-    return w
+    refuse(
+        c.reference_policy_kl_type not in ("k1", "k2", "k3"),
+        f"reference_policy_kl_type: expected k1/k2/k3, got {c.reference_policy_kl_type!r}",
+    )
+    for name in ("kl_input_clamp_value", "kl_output_clamp_value"):
+        value = getattr(c, name)
+        refuse(value is not None and value <= 0, f"{name}: expected > 0 or None, got {value}")
+    refuse(
+        c.positive_example_nll_weight < 0,
+        f"positive_example_nll_weight: expected >= 0, got {c.positive_example_nll_weight}",
+    )
+    refuse(
+        c.seq_logprob_error_threshold is not None and c.seq_logprob_error_threshold <= 0,
+        f"seq_logprob_error_threshold: expected > 0 or None, got {c.seq_logprob_error_threshold}",
+    )
+    refuse(
+        c.sequence_level_importance_ratios and c.token_level_loss,
+        "sequence_level_importance_ratios: GSPO needs token_level_loss=False",
+    )
+    if c.use_cispo:
+        for name in (
+            "disable_ppo_ratio",
+            "force_on_policy_ratio",
+            "sequence_level_importance_ratios",
+        ):
+            refuse(getattr(c, name), f"use_cispo: cannot be combined with {name}")
+        refuse(c.ratio_clip_c is not None, "use_cispo: cannot be combined with ratio_clip_c")
+        refuse(not c.token_level_loss, "use_cispo: needs token_level_loss=True")
+    _validate_truncation(c, refuse)
 
 
-class ClippedPGLoss:
+def _validate_truncation(c: ClippedPGConfig, refuse: Callable[[bool, str], None]) -> None:
+    kind, hi, lo = (
+        c.truncated_importance_sampling_type,
+        c.truncated_importance_sampling_ratio,
+        c.truncated_importance_sampling_ratio_min,
+    )
+    if kind is None:
+        refuse(
+            hi is not None or lo is not None,
+            "truncated_importance_sampling_ratio(_min): set truncated_importance_sampling_type too",
+        )
+        return
+    kinds = ("tis", "icepop", "seq-mask-tis")
+    refuse(kind not in kinds, f"truncated_importance_sampling_type: expected one of {kinds}")
+    refuse(
+        not c.use_importance_sampling_correction,
+        f"truncated_importance_sampling_type={kind!r}: needs use_importance_sampling_correction",
+    )
+    refuse(
+        hi is None or hi <= 0,
+        f"truncated_importance_sampling_ratio: expected > 0 with a truncation type, got {hi}",
+    )
+    refuse(
+        lo is not None and hi is not None and lo > hi,
+        "truncated_importance_sampling_ratio_min: expected <= truncated_importance_sampling_ratio",
+    )
+    refuse(
+        kind in ("icepop", "seq-mask-tis") and lo is None,
+        f"truncated_importance_sampling_ratio_min: required with {kind!r}",
+    )
+    refuse(
+        kind == "seq-mask-tis" and c.sequence_level_importance_ratios,
+        "truncated_importance_sampling_type='seq-mask-tis': cannot be combined with "
+        "sequence_level_importance_ratios",
+    )
+
+
+def kl_estimate(
+    logprobs: torch.Tensor,
+    reference: torch.Tensor,
+    kl_type: str,
+    *,
+    input_clamp: float | None = None,
+    output_clamp: float | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(p || ref) from logprobs (Schulman's k1/k2/k3).
+
+    With `weights`, the estimate is multiplied by them before the output clamp; where the input
+    clamp is active the weights are detached, so a clamped token contributes no gradient.
+    """
+    logr = reference - logprobs
+    if input_clamp is not None:
+        clamped = logr.clamp(-input_clamp, input_clamp)
+        if weights is not None:
+            weights = torch.where(logr == clamped, weights, weights.detach())
+        logr = clamped
+    if kl_type == "k1":
+        kl = -logr
+    elif kl_type == "k2":
+        kl = logr.square() / 2
+    else:
+        kl = torch.exp(logr) - 1 - logr
+    if weights is not None:
+        kl = weights * kl
+    if output_clamp is not None:
+        kl = kl.clamp(-output_clamp, output_clamp)
+    return kl
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def mismatch_metrics(
+    prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, toks: torch.Tensor, kl_type: str
+) -> dict[str, torch.Tensor]:
+    """Trainer/generator disagreement: `token_mult_prob_error` (mean exp|gen - prev|, ~1 when they
+    agree), KL(gen || train), KL(train || gen) and their Jensen-Shannon divergence."""
+    with torch.no_grad():
+        log_mix = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
+        kl_prev_mix = torch.exp(prev - log_mix) - (prev - log_mix) - 1
+        kl_gen_mix = torch.exp(gen - log_mix) - (gen - log_mix) - 1
+        return {
+            "token_mult_prob_error": masked_mean(torch.exp((gen - prev).abs() * mask), mask, toks),
+            "gen_kl_error": masked_mean(kl_estimate(gen, prev, kl_type), mask, toks),
+            "policy_kl_error": masked_mean(kl_estimate(prev, gen, kl_type), mask, toks),
+            "js_divergence_error": masked_mean(0.5 * kl_prev_mix + 0.5 * kl_gen_mix, mask, toks),
+        }
+
+
+def _ratio_metrics(
+    ratios: torch.Tensor, clamped: torch.Tensor, mask: torch.Tensor, toks: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Mean, min and max of the ratio and the clamped ratio over the masked tokens (min/max of an
+    empty mask: +inf / -inf, which the min/max reduction over micro-batches ignores)."""
+    with torch.no_grad():
+        valid = mask.bool()
+        out = {}
+        for name, r in (("probs_ratio", ratios), ("probs_ratio_clamped", clamped)):
+            r = r.detach().expand_as(mask)
+            inf = torch.full_like(r, float("inf"))
+            out[name] = masked_mean(r, mask, toks)
+            out[f"{name}_min"] = torch.where(valid, r, inf).amin()
+            out[f"{name}_max"] = torch.where(valid, r, -inf).amax()
+        return out
+
+
+class ClippedPGLoss(Loss):
     """PPO/GRPO-family loss; see the module docstring and `ClippedPGConfig`."""
 
-    needs_entropy = True
-
     def __init__(self, cfg: ClippedPGConfig | None = None) -> None:
-        self.cfg = cfg or ClippedPGConfig()
-        keys = ["token_mask", "sample_mask", "advantages", "prev_logprobs", "generation_logprobs"]
-        if self.cfg.reference_policy_kl_penalty > 0:
+        self.cfg = cfg = cfg or ClippedPGConfig()
+        self.needs = LossNeeds(logprobs=True, entropy=True)
+        keys = ["token_mask", "sample_mask", "advantages", "generation_logprobs"]
+        if not cfg.force_on_policy_ratio or cfg.seq_logprob_error_threshold is not None:
+            keys.append("prev_logprobs")
+        if cfg.kl_in_loss:
             keys.append("reference_policy_logprobs")
-        self.required_keys: tuple[str, ...] = tuple(keys)
+        if cfg.positive_example_nll_weight > 0:
+            keys.append("rewards")
+        self.required_keys = tuple(keys)
 
     def prepare_batch(self, data: Any) -> Any:
         """Drop sequences whose trainer/generator logprob error is over the threshold."""
@@ -148,87 +261,153 @@ class ClippedPGLoss:
             return data
         view = TokenView.of(data)
         err = torch.exp((data["generation_logprobs"] - data["prev_logprobs"]).abs())[:, 1:]
-        seq_err = _per_sequence_mean(err, view.mask)
+        seq_err = masked_mean(err, view.token_mask, dim=-1)
         out = type(data)(data)
         out["sample_mask"] = data["sample_mask"] * (seq_err <= threshold).to(
             data["sample_mask"].dtype
         )
         return out
 
+    def counts(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = super().counts(data)
+        if self.cfg.positive_example_nll_weight > 0:
+            view = TokenView.of(data)
+            positive = (data["rewards"] > 0).float()
+            out["global_positive_toks"] = (view.mask * positive[:, None]).sum()
+        return out
+
+    def _reduce(
+        self, per_token: torch.Tensor, view: TokenView, counts: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        if self.cfg.token_level_loss:
+            return masked_mean(per_token, view.mask, counts["global_valid_toks"])
+        per_seq = masked_mean(per_token, view.token_mask, dim=-1)
+        return masked_mean(per_seq, view.sample_mask, counts["global_valid_seqs"])
+
     def __call__(
         self,
-        logprobs: torch.Tensor,
+        inputs: LossInputs,
         data: Mapping[str, torch.Tensor],
-        *,
-        global_valid_seqs: torch.Tensor,
-        global_valid_toks: torch.Tensor,
-        entropy: torch.Tensor | None = None,
+        counts: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
-        view = TokenView.of(data)
-        mask = view.mask
-        curr = logprobs[:, 1:]
-        prev = data["prev_logprobs"][:, 1:]
-        gen = data["generation_logprobs"][:, 1:]
+        assert inputs.logprobs is not None
+        view, toks = TokenView.of(data), counts["global_valid_toks"]
+        curr = inputs.logprobs[:, 1:]
         adv = data["advantages"][:, 1:]
-        if cfg.force_on_policy_ratio:
-            prev = curr.detach()
+        gen = data["generation_logprobs"][:, 1:]
+        prev = curr.detach() if cfg.force_on_policy_ratio else data["prev_logprobs"][:, 1:]
+        metrics = mismatch_metrics(prev, gen, view.mask, toks, cfg.reference_policy_kl_type)
 
-        log_ratio = curr - prev
-        if cfg.sequence_level_importance_ratios:
-            log_ratio = _per_sequence_mean(log_ratio, mask)[:, None].expand_as(curr)
-        ratio = torch.exp(log_ratio)
-        clipped = ratio.clamp(1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
-        if cfg.disable_ppo_ratio:
-            actor = -adv * curr
-        elif cfg.cispo:
-            actor = -adv * clipped.detach() * curr
-        else:
-            actor = torch.maximum(-adv * ratio, -adv * clipped)
-            if cfg.ratio_clip_c is not None:
-                actor = torch.where(adv < 0, torch.minimum(actor, -adv * cfg.ratio_clip_c), actor)
-
-        if cfg.use_importance_sampling_correction:
-            w = importance_weights(data["prev_logprobs"][:, 1:], gen, mask, cfg)
-        else:
-            w = torch.ones_like(curr)
-
-        def reduce(per_token: torch.Tensor) -> torch.Tensor:
-            if cfg.token_level_loss:
-                return masked_mean(per_token, mask, global_valid_toks)
-            return masked_mean(
-                _per_sequence_mean(per_token, mask), view.sample_mask, global_valid_seqs
+        kl = curr.new_zeros(())
+        if cfg.kl_in_loss:
+            weights = torch.exp(
+                curr - (gen if cfg.use_on_policy_kl_approximation else curr.detach())
             )
+            per_token_kl = cfg.reference_policy_kl_penalty * kl_estimate(
+                curr,
+                data["reference_policy_logprobs"][:, 1:],
+                cfg.reference_policy_kl_type,
+                input_clamp=cfg.kl_input_clamp_value,
+                output_clamp=cfg.kl_output_clamp_value,
+                weights=_finite(weights),
+            )
+            kl = self._reduce(per_token_kl, view, counts)
+            metrics["kl_penalty"] = kl.detach() / cfg.reference_policy_kl_penalty
+        else:
+            metrics["kl_penalty"] = kl
 
-        actor_loss = reduce(w * actor)
-        loss = actor_loss
-        metrics: dict[str, torch.Tensor] = {"actor_loss": actor_loss.detach()}
-        if cfg.reference_policy_kl_penalty > 0:
-            kl = kl_estimate(curr, data["reference_policy_logprobs"][:, 1:], cfg)
-            kl_loss = reduce(w * kl)
-            loss = loss + cfg.reference_policy_kl_penalty * kl_loss
-            metrics["kl"] = kl_loss.detach()
-        if cfg.positive_example_nll_coef is not None:
-            positive = ((adv * mask).sum(-1) > 0).float()[:, None]
-            nll = -masked_mean(curr, mask * positive, global_valid_toks)
-            loss = loss + cfg.positive_example_nll_coef * nll
-            metrics["positive_nll"] = nll.detach()
+        ratios, clamped, actor = self._actor(curr, prev, adv, view)
+        weights, is_metrics = self._importance_weights(prev, gen, view, counts)
+        if not cfg.use_importance_sampling_correction:
+            weights = torch.ones_like(curr)
+        actor_loss = self._reduce(weights * actor, view, counts)
 
-        def tok_mean(x: torch.Tensor) -> torch.Tensor:
-            return masked_mean(x.detach().float(), mask, global_valid_toks)
+        nll = curr.new_zeros(())
+        if cfg.positive_example_nll_weight > 0:
+            positive = (data["rewards"] > 0).float()[:, None]
+            nll = masked_mean(-curr, view.mask * positive, counts["global_positive_toks"])
+        loss = actor_loss + kl + cfg.positive_example_nll_weight * nll
 
-        out_of_range = (ratio < 1 - cfg.ratio_clip_min) | (ratio > 1 + cfg.ratio_clip_max)
-        metrics |= {
-            "loss": loss.detach(),
-            "probs_ratio": tok_mean(ratio),
-            "probs_ratio_clamped": tok_mean(clipped),
-            "clipped_fraction": tok_mean(out_of_range),
-            "token_mult_prob_error": tok_mean(
-                torch.exp((gen - data["prev_logprobs"][:, 1:]).abs())
-            ),
-            "is_weight": tok_mean(w),
-        }
-        if entropy is not None:
-            # entropy[:, i] is of the distribution predicting token i+1: align with positions 1:.
-            metrics["entropy"] = tok_mean(entropy[:, :-1])
+        with torch.no_grad():
+            clipped = (ratios != clamped).float()
+            if cfg.disable_ppo_ratio and not cfg.force_on_policy_ratio:
+                # The reference reports the mean logprob here; the ratio is the meaningful value.
+                ratios = clamped = torch.exp(curr - prev)
+            metrics |= _ratio_metrics(ratios, clamped, view.mask, toks)
+            metrics |= is_metrics
+            metrics |= {
+                "loss": loss.detach(),
+                "actor_loss": actor_loss.detach(),
+                "positive_nll_loss": nll.detach(),
+                "num_valid_samples": view.sample_mask.sum(),
+                "clipped_fraction": masked_mean(clipped, view.mask, toks),
+                "approx_entropy": -masked_mean(torch.exp(curr - gen) * curr, view.mask, toks),
+            }
+            if inputs.entropy is not None:
+                # entropy[:, i] is of the distribution predicting token i+1: align with 1:.
+                metrics["entropy"] = masked_mean(inputs.entropy[:, :-1].float(), view.mask, toks)
         return loss, metrics
+
+    def _actor(
+        self, curr: torch.Tensor, prev: torch.Tensor, adv: torch.Tensor, view: TokenView
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ratios, clamped ratios, per-token actor loss) under the configured variant."""
+        cfg = self.cfg
+        if cfg.force_on_policy_ratio:  # wins over disable_ppo_ratio, as in the reference
+            ratios = clamped = torch.exp(curr - curr.detach())
+        elif cfg.disable_ppo_ratio:
+            ratios = clamped = curr
+        else:
+            log_ratios = curr - prev
+            if cfg.sequence_level_importance_ratios:
+                seq = masked_mean(log_ratios, view.token_mask, dim=-1)[:, None]
+                log_ratios = seq.expand_as(curr)
+            ratios = torch.exp(log_ratios)
+            clamped = ratios.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+        if cfg.use_cispo:
+            actor = -adv * clamped.detach() * curr
+        else:
+            actor = torch.maximum(-adv * ratios, -adv * clamped)
+        if cfg.ratio_clip_c is not None:
+            actor = torch.where(adv < 0, torch.minimum(actor, -adv * cfg.ratio_clip_c), actor)
+        return ratios, clamped, actor
+
+    def _importance_weights(
+        self,
+        prev: torch.Tensor,
+        gen: torch.Tensor,
+        view: TokenView,
+        counts: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Truncated importance weights ([B, S-1], or [B, 1] under GSPO) and their metrics."""
+        cfg = self.cfg
+        toks, seqs = counts["global_valid_toks"], counts["global_valid_seqs"]
+        if cfg.sequence_level_importance_ratios:
+            w = _finite(torch.exp(((prev - gen) * view.mask).sum(-1, keepdim=True)).detach())
+        else:
+            w = _finite(torch.exp(prev - gen))
+        metrics: dict[str, torch.Tensor] = {}
+        kind, hi = cfg.truncated_importance_sampling_type, cfg.truncated_importance_sampling_ratio
+        lo = cfg.truncated_importance_sampling_ratio_min
+        if kind == "tis":
+            lo = 0.0 if lo is None else lo
+            metrics["is_oob_ratio"] = masked_mean(((w > hi) | (w < lo)).float(), view.mask, toks)
+            w = w.clamp(lo, hi)
+        elif kind == "icepop":
+            keep = (w >= lo) & (w <= hi)
+            metrics["is_oob_ratio"] = masked_mean((~keep).float(), view.mask, toks)
+            w = torch.where(keep, w, torch.zeros_like(w))
+        elif kind == "seq-mask-tis":
+            log_w = masked_mean(_finite(prev - gen), view.token_mask, dim=-1)
+            geo = torch.exp(log_w).detach()
+            keep = ((geo >= lo) & (geo <= hi)).float()
+            metrics["is_oob_ratio"] = masked_mean(1.0 - keep, view.sample_mask, seqs)
+            w = w * keep[:, None]
+        if cfg.sequence_level_importance_ratios:
+            metrics["sampling_importance_ratio"] = masked_mean(
+                w.squeeze(-1), view.sample_mask, seqs
+            )
+        else:
+            metrics["sampling_importance_ratio"] = masked_mean(w, view.mask, toks)
+        return w, metrics

@@ -3,31 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from policyworker.losses.common import TokenView, masked_mean
+from policyworker.losses.common import Loss, LossInputs, TokenView, masked_mean
 
 
-class NLLLoss:
-    """`-masked_mean(logprobs, token_mask * sample_mask, global_valid_toks)`."""
+class NLLLoss(Loss):
+    """`-masked_mean(logprobs, token_mask * sample_mask, global_valid_toks)`.
 
-    required_keys: tuple[str, ...] = ("token_mask", "sample_mask")
-    needs_entropy = False
-
-    def prepare_batch(self, data: Any) -> Any:
-        return data
+    Metrics: `loss`, `num_unmasked_tokens` (tokens the loss covers), `num_valid_samples`.
+    """
 
     def __call__(
         self,
-        logprobs: torch.Tensor,
+        inputs: LossInputs,
         data: Mapping[str, torch.Tensor],
-        *,
-        global_valid_seqs: torch.Tensor,
-        global_valid_toks: torch.Tensor,
-        entropy: torch.Tensor | None = None,
+        counts: Mapping[str, torch.Tensor],
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert inputs.logprobs is not None
         view = TokenView.of(data)
-        loss = -masked_mean(logprobs[:, 1:], view.mask, global_valid_toks)
-        return loss, {"loss": loss.detach()}
+        loss = -masked_mean(inputs.logprobs[:, 1:], view.mask, counts["global_valid_toks"])
+        return loss, {
+            "loss": loss.detach(),
+            "num_unmasked_tokens": view.mask.sum(),
+            "num_valid_samples": view.sample_mask.sum(),
+        }

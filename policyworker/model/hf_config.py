@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,33 @@ class ModelShape:
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def load_hf_config(
+    folder: str | Path, *, field: str = "model_name", require_weights: bool = True
+) -> Any:
+    """The `PretrainedConfig` of a local HF checkpoint folder, after checking the folder has a
+    config and safetensors weights. Never reaches for the hub: a bad path is a `ValueError`
+    naming `field`, not a repo-id error."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(f"{field}: {folder} is not a folder (expected a Hugging Face checkpoint)")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"{field}: {folder} has no config.json (expected a Hugging Face checkpoint)"
+        )
+    if require_weights and not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ValueError(f"{field}: {folder} has no {' or '.join(WEIGHT_FILES)}")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{field}: {folder}/config.json does not load ({reason})") from None
 
 
 def model_shape(hf_config: Any) -> ModelShape:

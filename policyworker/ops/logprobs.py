@@ -1,13 +1,14 @@
 """Token logprobs, top-k and entropy from vocab-parallel logits.
 
 Logits arrive as megatron's output layer leaves them: `[B, S, V/tp]`, this TP rank's slice of the
-vocabulary. The three logit passes are `cuda_compiled`: on GPU each is one fused kernel reading the
-(bf16) logits once, with no fp32 [B, S, V] copy. Everything here is exact under any TP size: the log-softmax reduces the row max
-(all-reduce MAX), the sum of exp and the target's logit (all-reduce SUM) over the TP group, and the
-backward is local, `(onehot - softmax) / temperature` on each rank's slice. Top-k gathers the
-per-rank candidates.
+vocabulary. The logit passes are `cuda_compiled`: on GPU each is one fused kernel reading the
+(bf16) logits once, with no fp32 [B, S, V] copy. Everything here is exact under any TP size: the
+log-softmax reduces the row max (all-reduce MAX), the sum of exp and the picked logits (all-reduce
+SUM) over the TP group, and every backward is local, e.g. `(onehot - softmax) / temperature` on
+each rank's slice. Top-k gathers the per-rank candidates.
 
-Alignment (REFERENCE.md): `logprobs[:, i] = log p(ids[:, i] | ids[:, :i])`, position 0 is 0.
+Alignment (docs/semantics.md): `logprobs[:, i] = log p(ids[:, i] | ids[:, :i])`, position 0 is 0;
+entropy, top-k and index logprobs at i describe the distribution of token i+1 (the logits at i).
 """
 
 from __future__ import annotations
@@ -20,22 +21,28 @@ import torch.distributed as dist
 from policyworker.ops.compiled import cuda_compiled
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Accumulation precision: fp32 for bf16/fp32 logits, fp64 for fp64 (exact tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 @cuda_compiled
-def _max_and_target(
+def _max_and_picked(
     x: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, inv_t: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x32 = x.float() * inv_t
-    picked = x32.gather(-1, target[:, None]).squeeze(-1)
+    """Row max [N] and the logits at `target` [N, k] (0 where this rank does not own the id)."""
+    x32 = _wide(x) * inv_t
+    picked = x32.gather(-1, target)
     return x32.amax(-1), torch.where(inside, picked, torch.zeros_like(picked))
 
 
 @cuda_compiled
 def _sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
-    return torch.exp(x.float() * inv_t - row_max[:, None]).sum(-1)
+    return torch.exp(_wide(x) * inv_t - row_max[:, None]).sum(-1)
 
 
 @cuda_compiled
-def _grad_logits(
+def _grad_logits_one(
     x: torch.Tensor,
     lse: torch.Tensor,
     target: torch.Tensor,
@@ -43,15 +50,31 @@ def _grad_logits(
     grad: torch.Tensor,
     inv_t: float,
 ) -> torch.Tensor:
-    """d logprob / d logits = (onehot(target) - softmax) / temperature, times the incoming grad."""
-    softmax = torch.exp(x.float() * inv_t - lse[:, None])
+    """k = 1 (token logprobs): (onehot(target) - softmax) / T times the incoming grad, one pass."""
+    softmax = torch.exp(_wide(x) * inv_t - lse[:, None])
     cols = torch.arange(x.shape[-1], device=x.device)[None, :]
-    onehot = ((cols == target[:, None]) & inside[:, None]).float()
-    return ((onehot - softmax) * (grad * inv_t)[:, None]).to(x.dtype)
+    onehot = ((cols == target) & inside).float()
+    return ((onehot - softmax) * (grad * inv_t)).to(x.dtype)
 
 
-class _TokenLogprob(torch.autograd.Function):
-    """logprob[n] = x[n, target[n]] / T - logsumexp(x[n] / T), x vocab-parallel [N, V/tp]."""
+@cuda_compiled
+def _grad_logits_many(
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    target: torch.Tensor,
+    inside: torch.Tensor,
+    grad: torch.Tensor,
+    inv_t: float,
+) -> torch.Tensor:
+    """k ids per row: sum_j grad_j (onehot(target_j) - softmax) / T."""
+    softmax = torch.exp(_wide(x) * inv_t - lse[:, None])
+    out = -softmax * (grad.sum(-1, keepdim=True) * inv_t)
+    out = out.scatter_add(-1, target, torch.where(inside, grad * inv_t, torch.zeros_like(grad)))
+    return out.to(x.dtype)
+
+
+class _IndexLogprobs(torch.autograd.Function):
+    """lp[n, j] = x[n, target[n, j]] / T - logsumexp(x[n] / T), x vocab-parallel [N, V/tp]."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -66,7 +89,7 @@ class _TokenLogprob(torch.autograd.Function):
         local = target - tp_rank * part
         inside = (local >= 0) & (local < part)
         local = local.clamp(0, part - 1)
-        row_max, picked = _max_and_target(x, local, inside, inv_t)
+        row_max, picked = _max_and_picked(x, local, inside, inv_t)
         parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
         if parallel:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
@@ -77,12 +100,13 @@ class _TokenLogprob(torch.autograd.Function):
         lse = row_max + total.log()
         ctx.save_for_backward(x, lse, local, inside)
         ctx.inv_t = inv_t
-        return picked - lse
+        return picked - lse[:, None]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, lse, local, inside = ctx.saved_tensors
-        grad_x = _grad_logits(x, lse, local, inside, grad.contiguous(), ctx.inv_t)
+        kernel = _grad_logits_one if local.shape[-1] == 1 else _grad_logits_many
+        grad_x = kernel(x, lse, local, inside, grad.contiguous(), ctx.inv_t)
         return grad_x, None, None, None, None
 
 
@@ -101,28 +125,80 @@ def token_logprobs(
     """
     b, s, part = logits.shape
     targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)  # next token
-    lp = _TokenLogprob.apply(
-        logits.reshape(-1, part), targets.reshape(-1), 1.0 / temperature, tp_group, tp_rank
+    lp = _IndexLogprobs.apply(
+        logits.reshape(-1, part), targets.reshape(-1, 1), 1.0 / temperature, tp_group, tp_rank
     ).reshape(b, s)
     return torch.cat([lp.new_zeros(b, 1), lp[:, :-1]], dim=1)
+
+
+def index_logprobs(
+    logits: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+    tp_rank: int,
+) -> torch.Tensor:
+    """fp32 `log softmax(logits / T)` at vocabulary ids `indices` [B, S, k] (global ids), per
+    position and unshifted; differentiable. Each TP rank gathers the ids it owns; only the
+    log-normalizer and the gathered values cross ranks, never a [B, S, V] tensor."""
+    b, s, part = logits.shape
+    k = indices.shape[-1]
+    return _IndexLogprobs.apply(
+        logits.reshape(-1, part), indices.reshape(-1, k), 1.0 / temperature, tp_group, tp_rank
+    ).reshape(b, s, k)
+
+
+@cuda_compiled
+def _entropy_sums(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """[2, N]: sum(e) and sum(e * y) with y = x / T - max, e = exp(y)."""
+    y = _wide(x) * inv_t - row_max[:, None]
+    e = torch.exp(y)
+    return torch.stack([e.sum(-1), (e * y).sum(-1)])
+
+
+@cuda_compiled
+def _entropy_grad(
+    x: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, grad: torch.Tensor, inv_t: float
+) -> torch.Tensor:
+    """dH/dx = -p (log p + H) / T, times the incoming grad."""
+    logp = _wide(x) * inv_t - lse[:, None]
+    p = torch.exp(logp)
+    return (-p * (logp + entropy[:, None]) * (grad * inv_t)[:, None]).to(x.dtype)
+
+
+class _Entropy(torch.autograd.Function):
+    """H[n] = -sum_v p log p of softmax(x[n] / T), x vocab-parallel [N, V/tp]."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, inv_t: float, tp_group: dist.ProcessGroup | None
+    ) -> torch.Tensor:
+        parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
+        row_max = (_wide(x.amax(-1)) * inv_t).contiguous()
+        if parallel:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
+        sums = _entropy_sums(x, row_max, inv_t)
+        if parallel:
+            dist.all_reduce(sums, group=tp_group)
+        z, ey = sums
+        entropy = z.log() - ey / z
+        ctx.save_for_backward(x, row_max + z.log(), entropy)
+        ctx.inv_t = inv_t
+        return entropy
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, lse, entropy = ctx.saved_tensors
+        return _entropy_grad(x, lse, entropy, grad.contiguous(), ctx.inv_t), None, None
 
 
 def vocab_parallel_entropy(
     logits: torch.Tensor, *, temperature: float, tp_group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """Entropy [B, S] of softmax(logits / temperature) at every position (no grad; a metric)."""
-    with torch.no_grad():
-        x = logits.float() / temperature
-        local_max = x.max(dim=-1).values
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(local_max, op=dist.ReduceOp.MAX, group=tp_group)
-        x = x - local_max.unsqueeze(-1)
-        e = x.exp()
-        sums = torch.stack([e.sum(-1), (e * x).sum(-1)])  # [2, B, S]
-        if tp_group is not None and dist.get_world_size(tp_group) > 1:
-            dist.all_reduce(sums, group=tp_group)
-        z, ex = sums
-        return z.log() - ex / z
+    """Entropy [B, S] of softmax(logits / temperature) at every position; differentiable."""
+    b, s, part = logits.shape
+    return _Entropy.apply(logits.reshape(-1, part), 1.0 / temperature, tp_group).reshape(b, s)
 
 
 def topk_logits(

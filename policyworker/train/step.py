@@ -18,9 +18,9 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.losses.common import LossFunction, global_counts
+from policyworker.losses.common import Loss, LossInputs
 from policyworker.model.build import batch_major_logits
-from policyworker.ops.logprobs import token_logprobs, vocab_parallel_entropy
+from policyworker.ops.logprobs import index_logprobs, token_logprobs, vocab_parallel_entropy
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
 
@@ -84,19 +84,24 @@ def run_microbatches(
     )
 
 
-def sum_metrics(
+def reduce_metrics(
     stores: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None
 ) -> dict[str, float]:
-    """Sum each metric over micro-batches and data-parallel ranks (they are globally normalized)."""
+    """Each metric over micro-batches and data-parallel ranks: summed (they are globally
+    normalized), except `*_min` / `*_max`, which take the min / max."""
     if not stores:
         return {}
     keys = sorted(stores[0])
-    stacked = torch.stack(
-        [torch.stack([s[k].float().reshape(()) for k in keys]) for s in stores]
-    ).sum(0)
+    stacked = torch.stack([torch.stack([s[k].float().reshape(()) for k in keys]) for s in stores])
+    is_min = torch.tensor([k.endswith("_min") for k in keys], device=stacked.device)
+    is_max = torch.tensor([k.endswith("_max") for k in keys], device=stacked.device)
+    summed = stacked.sum(0)
+    extreme = torch.where(is_min, -stacked, stacked).amax(0)  # min as -max(-x): one MAX reduce
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(stacked, group=group)
-    return dict(zip(keys, stacked.tolist(), strict=True))
+        dist.all_reduce(summed, group=group)
+        dist.all_reduce(extreme, op=dist.ReduceOp.MAX, group=group)
+    values = torch.where(is_min, -extreme, torch.where(is_max, extreme, summed))
+    return dict(zip(keys, values.tolist(), strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,37 +117,43 @@ class StepResult:
 
 
 def make_loss_fn(
-    loss_fn: LossFunction,
+    loss_fn: Loss,
     *,
     temperature: float,
     groups: Groups,
-    global_valid_seqs: torch.Tensor,
-    global_valid_toks: torch.Tensor,
+    counts: dict[str, torch.Tensor],
 ) -> MicrobatchFn:
-    """Logits -> logprobs (and entropy if the loss wants it) -> the loss, for one micro-batch."""
+    """Logits -> what the loss asked for (`loss_fn.needs`) -> the loss, for one micro-batch."""
+    needs = loss_fn.needs
+    tp = {"temperature": temperature, "tp_group": groups.tp}
 
     def fn(
         logits: torch.Tensor, mb: BatchedDataDict
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        entropy = None
-        if loss_fn.needs_entropy:
-            entropy = vocab_parallel_entropy(logits, temperature=temperature, tp_group=groups.tp)
-        lp = token_logprobs(
-            logits,
-            mb["input_ids"],
-            temperature=temperature,
-            tp_group=groups.tp,
-            tp_rank=groups.tp_rank,
+        inputs = LossInputs(
+            logprobs=token_logprobs(logits, mb["input_ids"], **tp, tp_rank=groups.tp_rank)
+            if needs.logprobs
+            else None,
+            entropy=vocab_parallel_entropy(logits, **tp) if needs.entropy else None,
+            index_logprobs=index_logprobs(logits, mb[needs.index_key], **tp, tp_rank=groups.tp_rank)
+            if needs.index_key is not None
+            else None,
         )
-        return loss_fn(
-            lp,
-            mb,
-            global_valid_seqs=global_valid_seqs,
-            global_valid_toks=global_valid_toks,
-            entropy=entropy,
-        )
+        return loss_fn(inputs, mb, counts)
 
     return fn
+
+
+def global_counts(
+    loss_fn: Loss, batch: BatchedDataDict, dp_group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """The loss's counts (`global_valid_toks`, ...) summed over this global batch and DP ranks."""
+    local = loss_fn.counts(batch)
+    names = sorted(local)
+    stacked = torch.stack([local[n].float() for n in names])
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(stacked, group=dp_group)
+    return dict(zip(names, stacked.unbind(), strict=True))
 
 
 def train_global_batch(
@@ -151,7 +162,7 @@ def train_global_batch(
     optimizer: Any,
     scheduler: Any,
     batch: BatchedDataDict,
-    loss_fn: LossFunction,
+    loss_fn: Loss,
     micro_batch_size: int,
     temperature: float,
     max_grad_norm: float,
@@ -160,18 +171,8 @@ def train_global_batch(
 ) -> StepResult:
     """Forward/backward one (DP-local) global batch, then clip, step and schedule unless eval."""
     device = batch["input_ids"].device
-    seqs, toks = global_counts(batch)
-    counts = torch.stack([seqs, toks]).to(device)
-    dist.all_reduce(counts, group=groups.dp)
-    global_valid_seqs, global_valid_toks = counts[0], counts[1]
-
-    fn = make_loss_fn(
-        loss_fn,
-        temperature=temperature,
-        groups=groups,
-        global_valid_seqs=global_valid_seqs,
-        global_valid_toks=global_valid_toks,
-    )
+    counts = global_counts(loss_fn, batch, groups.dp)
+    fn = make_loss_fn(loss_fn, temperature=temperature, groups=groups, counts=counts)
     microbatches = [trim_to_longest(mb) for mb in batch.make_microbatch_iterator(micro_batch_size)]
     lr = float(optimizer.param_groups[0]["lr"])
     if not eval_mode:
@@ -179,9 +180,8 @@ def train_global_batch(
         optimizer.zero_grad()
     stores = run_microbatches(ddp, microbatches, fn, forward_only=eval_mode)
     # Losses live on the last pipeline stage; every stage reports them.
-    metrics = broadcast_object_from_last_stage(sum_metrics(stores, groups.dp), groups)
-    metrics["global_valid_seqs"] = float(global_valid_seqs)
-    metrics["global_valid_toks"] = float(global_valid_toks)
+    metrics = broadcast_object_from_last_stage(reduce_metrics(stores, groups.dp), groups)
+    metrics |= {name: float(value) for name, value in counts.items()}
     metrics["num_microbatches"] = float(len(microbatches))
     if eval_mode:
         return StepResult(metrics=metrics, grad_norm=0.0, applied=False, skipped=False, lr=lr)

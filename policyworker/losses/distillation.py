@@ -1,0 +1,90 @@
+"""Distillation from a teacher's top-k logits (NeMo-RL's `DistillationLossFn` semantics).
+
+The batch carries the teacher's `teacher_topk_logits` and `teacher_topk_indices` [B, S, k], as the
+teacher worker's `get_topk_logits` returns them: position i holds the top-k of the distribution
+of token i+1. The student's logprobs at those ids come from its vocab-parallel logits (each TP
+rank gathers the ids it owns and the log-normalizer is reduced over TP; no [B, S, V] fp32 copy).
+Positions 0..S-2 are compared, masked by `token_mask[:, 1:] * sample_mask`.
+
+- `zero_outside_topk=False` (default): both sides are renormalized over the k ids, and the KL is
+  taken over those k ids only.
+- `zero_outside_topk=True`: the student keeps its full-vocabulary probabilities; the teacher puts
+  (almost) no mass outside its top-k, log p = -100 there. The forward KL gets no term from outside
+  the top-k (the teacher has no mass there); reverse and mixed KL add the student's outside mass:
+  `H_rest - (-100) * P_rest` with `H_rest = sum_outside p log p`, `P_rest` its mass.
+
+    forward = sum_k p_t (log p_t - log p_s);  reverse = sum_k p_s (log p_s - log p_t)
+    mixed   = w * forward + (1 - w) * reverse
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from policyworker.losses.common import Loss, LossInputs, LossNeeds, TokenView, masked_mean
+
+LOG_INFINITESIMAL = -100.0
+"""The teacher's log-probability outside its top-k with `zero_outside_topk` (as the reference)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DistillationConfig:
+    """Options of `DistillationLoss`, named as NeMo-RL's `DistillationLossConfig`."""
+
+    kl_type: Literal["forward", "reverse", "mixed"] = "mixed"
+    """KL(teacher || student), KL(student || teacher), or their mix."""
+    mixed_kl_weight: float = 0.5
+    """w: weight of the forward KL in the mix."""
+    zero_outside_topk: bool = False
+    """Keep the student's full-vocabulary probabilities (and its mass outside the top-k)."""
+
+    def __post_init__(self) -> None:
+        if self.kl_type not in ("forward", "reverse", "mixed"):
+            raise ValueError(f"kl_type: expected forward/reverse/mixed, got {self.kl_type!r}")
+        if not 0 <= self.mixed_kl_weight <= 1:
+            raise ValueError(f"mixed_kl_weight: expected in [0, 1], got {self.mixed_kl_weight}")
+
+
+class DistillationLoss(Loss):
+    """Top-k KL of the student to the teacher; see the module docstring."""
+
+    required_keys = ("token_mask", "sample_mask", "teacher_topk_logits", "teacher_topk_indices")
+
+    def __init__(self, cfg: DistillationConfig | None = None) -> None:
+        self.cfg = cfg = cfg or DistillationConfig()
+        self.outside_mass = cfg.zero_outside_topk and cfg.kl_type != "forward"
+        self.needs = LossNeeds(
+            logprobs=False, entropy=self.outside_mass, index_key="teacher_topk_indices"
+        )
+
+    def __call__(
+        self,
+        inputs: LossInputs,
+        data: Mapping[str, torch.Tensor],
+        counts: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        assert inputs.index_logprobs is not None
+        student = inputs.index_logprobs[:, :-1]  # [B, S-1, k], full-vocabulary normalized
+        if not cfg.zero_outside_topk:
+            student = student - torch.logsumexp(student, dim=-1, keepdim=True)
+        teacher = torch.log_softmax(data["teacher_topk_logits"][:, :-1].to(student.dtype), dim=-1)
+        p_s, p_t = student.exp(), teacher.exp()
+        w = {"forward": 1.0, "reverse": 0.0, "mixed": cfg.mixed_kl_weight}[cfg.kl_type]
+        per_token = student.new_zeros(student.shape[:-1])  # [B, S-1]
+        if w > 0:
+            per_token = per_token + w * (p_t * (teacher - student)).sum(-1)
+        if w < 1:
+            per_token = per_token + (1 - w) * (p_s * (student - teacher)).sum(-1)
+        if self.outside_mass:
+            assert inputs.entropy is not None
+            h_rest = -inputs.entropy[:, :-1] - (p_s * student).sum(-1)  # sum_outside p log p
+            p_rest = 1 - p_s.sum(-1)
+            per_token = per_token + (1 - w) * (h_rest - LOG_INFINITESIMAL * p_rest)
+        view = TokenView.of(data)
+        loss = masked_mean(per_token, view.mask, counts["global_valid_toks"])
+        return loss, {"loss": loss.detach(), "num_valid_samples": view.sample_mask.sum()}
