@@ -1,0 +1,74 @@
+"""policyworker: the training side of RL post-training for LLMs, on megatron-core.
+
+    from policyworker import MegatronPolicyWorker, PolicyConfig, BatchedDataDict, ClippedPGLoss
+
+The names in `__all__` are the public API; everything else is reachable by module path but may
+change. They are imported on first use, so `python -m policyworker` answers a bad command line
+without loading megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOME = {
+    "BatchValidationError": "policyworker.data.contract",
+    "BatchedDataDict": "policyworker.data.batched_data_dict",
+    "ClippedPGConfig": "policyworker.losses",
+    "ClippedPGLoss": "policyworker.losses",
+    "DPOConfig": "policyworker.losses",
+    "DPOLoss": "policyworker.losses",
+    "DistillationConfig": "policyworker.losses",
+    "DistillationLoss": "policyworker.losses",
+    "Loss": "policyworker.losses",
+    "MegatronPolicyWorker": "policyworker.worker",
+    "NLLLoss": "policyworker.losses",
+    "PolicyConfig": "policyworker.config",
+    "load_config": "policyworker.config",
+}
+
+__all__ = [
+    "BatchValidationError",
+    "BatchedDataDict",
+    "ClippedPGConfig",
+    "ClippedPGLoss",
+    "DPOConfig",
+    "DPOLoss",
+    "DistillationConfig",
+    "DistillationLoss",
+    "Loss",
+    "MegatronPolicyWorker",
+    "NLLLoss",
+    "PolicyConfig",
+    "load_config",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'policyworker' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOME[name]), name)
+    globals()[name] = value  # import once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
+
+
+if TYPE_CHECKING:
+    from policyworker.config import PolicyConfig, load_config
+    from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.data.contract import BatchValidationError
+    from policyworker.losses import (
+        ClippedPGConfig,
+        ClippedPGLoss,
+        DistillationConfig,
+        DistillationLoss,
+        DPOConfig,
+        DPOLoss,
+        Loss,
+        NLLLoss,
+    )
+    from policyworker.worker import MegatronPolicyWorker

@@ -1,7 +1,9 @@
 """Command line: `python -m policyworker demo [--out DIR] [--model DIR --data FILE] [key=value ...]`.
 
 Extra `key=value` arguments are dotted overrides of `DemoConfig` (e.g. `grpo_steps=10`,
-`loss.ratio_clip_max=0.28`).
+`loss.ratio_clip_max=0.28`). Bad input — an unknown or ill-typed option, a missing model folder,
+tokenizer or data file, a malformed JSONL row — ends in one line on stderr and exit status 2,
+before any work starts.
 """
 
 from __future__ import annotations
@@ -28,14 +30,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("megatron", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from policyworker.demo.grpo import DemoConfig, run_demo
+    from policyworker.demo.config import DemoConfig, load_inputs
 
     overrides = list(args.overrides)
     for key in ("out", "model", "data"):
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
-    cfg = load_config(args.config, overrides, cls=DemoConfig)
-    run_demo(cfg)
+    try:
+        cfg = load_config(args.config, overrides, cls=DemoConfig)
+        inputs = load_inputs(cfg)
+    except ValueError as e:
+        demo.exit(2, f"{demo.prog}: error: {e}\n")
+    from policyworker.demo.grpo import run_demo  # loads megatron-core
+
+    run_demo(cfg, inputs)
 
 
 if __name__ == "__main__":

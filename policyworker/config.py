@@ -189,26 +189,49 @@ class PolicyConfig:
 # --- YAML and dotted overrides -------------------------------------------------------------------
 
 
+_SCALARS: dict[type, str] = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+}
+
+
 def _convert(tp: Any, value: Any, name: str) -> Any:
-    """Coerce a YAML value to the annotated field type (nested dataclasses, tuples, numbers)."""
+    """Coerce a YAML value to the annotated field type; a value of the wrong type is a ValueError.
+
+    Handles nested dataclasses, tuples, Literals, `X | None` and the scalars (an int is accepted
+    where a float is expected, a whole float where an int is).
+    """
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         _check(isinstance(value, dict), name, "a mapping", value)
-        return from_dict(tp, value, prefix=f"{name}.")
+        return from_dict(tp, value, prefix=f"{name}.")  # type: ignore[arg-type]
     if origin is tuple:
-        _check(isinstance(value, list | tuple), name, "a list", value)
-        return tuple(_convert(t, v, name) for t, v in zip(typing.get_args(tp), value, strict=False))
+        args = typing.get_args(tp)
+        ok = isinstance(value, list | tuple) and len(value) == len(args)
+        _check(ok, name, f"a list of {len(args)} values", value)
+        return tuple(_convert(t, v, name) for t, v in zip(args, value, strict=True))
     if origin is Literal:
+        choices = typing.get_args(tp)
+        _check(value in choices, name, f"one of {list(choices)}", value)
         return value
     if origin in (types.UnionType, typing.Union):
-        return value
-    if tp is float and isinstance(value, int | float | str) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{name}: expected a number, got {value!r}") from None
-    if tp is int and isinstance(value, float) and value.is_integer():
-        return int(value)
+        args = typing.get_args(tp)
+        if value is None:
+            _check(type(None) in args, name, "a value (not null)", value)
+            return None
+        (inner,) = [a for a in args if a is not type(None)]  # only `X | None` unions are used
+        return _convert(inner, value, name)
+    if tp in _SCALARS:
+        if tp is float and isinstance(value, int | str) and not isinstance(value, bool):
+            try:  # YAML reads "1e-5" (no dot) as a string
+                return float(value)
+            except ValueError:
+                raise ValueError(f"{name}: expected a number, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        _check(type(value) is tp, name, _SCALARS[tp], value)
     return value
 
 
@@ -235,7 +258,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p} is not a section")
-        node[leaf] = yaml.safe_load(raw)
+        try:
+            node[leaf] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            raise ValueError(f"override {item!r}: the value is not valid YAML") from None
     return data
 
 
@@ -245,9 +271,14 @@ def load_config[T](
     """Read a YAML file (or nothing), apply dotted overrides, build and validate `cls`."""
     data: dict[str, Any] = {}
     if path is not None:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path}: no such file")
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path}: not valid YAML ({e})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
+            raise ValueError(f"config file {path}: expected a mapping at the top level")
     apply_overrides(data, overrides or [])
     return from_dict(cls, data)
 

@@ -3,7 +3,7 @@
     python -m policyworker demo --out runs/demo                    # built-in addition task, CPU
     python -m policyworker demo --model /ckpt --data tasks.jsonl   # your checkpoint (GPU)
 
-One GRPO step, as an RL loop runs it (REFERENCE.md): refit the sampler, sample a group of
+One GRPO step, as an RL loop runs it: refit the sampler, sample a group of
 responses per prompt, reward them, normalize rewards within each group into advantages, get
 prev/reference logprobs from the worker, and train with ClippedPGLoss.
 """
@@ -15,7 +15,6 @@ import logging
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,61 +22,13 @@ from tqdm import tqdm
 
 from policyworker.config import OptimizerConfig, PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.demo.config import DemoConfig, DemoInputs, load_inputs
 from policyworker.demo.sampler import HFSampler, Samples
-from policyworker.demo.task import (
-    Example,
-    addition_examples,
-    char_tokenizer,
-    load_jsonl,
-    noisy_labels,
-    reward,
-)
-from policyworker.losses import ClippedPGConfig, ClippedPGLoss, NLLLoss
+from policyworker.demo.task import Example, addition_examples, noisy_labels, reward
+from policyworker.losses import ClippedPGLoss, NLLLoss
 from policyworker.worker import MegatronPolicyWorker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class DemoConfig:
-    """The demo run. Defaults are the built-in task's, calibrated for 2 CPU cores."""
-
-    out: str = "runs/demo"
-    """Output folder: metrics.jsonl, metrics.png, hf/ (final export)."""
-    model: str | None = None
-    """A HF checkpoint to train instead of the built-in tiny Llama."""
-    data: str | None = None
-    """JSONL of {"prompt", "answer"} pairs (required with `model`)."""
-    seed: int = 0
-    """Seed for data, sampling and the model."""
-    sft_steps: int = 900
-    """SFT warm-up steps (NLLLoss)."""
-    sft_batch: int = 64
-    """Sequences per SFT step."""
-    sft_lr: float = 3e-3
-    """SFT learning rate."""
-    sft_wrong_fraction: float = 0.5
-    """Fraction of SFT labels replaced by wrong answers (built-in task)."""
-    grpo_steps: int = 40
-    """GRPO steps."""
-    prompts_per_step: int = 16
-    """Prompts per GRPO step."""
-    group_size: int = 8
-    """Samples per prompt."""
-    grpo_lr: float = 1e-3
-    """GRPO learning rate."""
-    temperature: float = 1.0
-    """Sampling temperature (the worker divides logits by it too)."""
-    max_new_tokens: int = 4
-    """Longest response."""
-    micro_batch_size: int = 64
-    """Micro-batch size for train and logprobs."""
-    precision: str = "float32"
-    """Worker precision."""
-    loss: ClippedPGConfig = field(
-        default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
-    )
-    """ClippedPGLoss options."""
 
 
 def tiny_llama(folder: Path, vocab_size: int, seed: int) -> Path:
@@ -145,33 +96,24 @@ def grpo_batch(
 class Run:
     """The demo's state: worker, sampler, task, metrics sink."""
 
-    def __init__(self, cfg: DemoConfig) -> None:
+    def __init__(self, cfg: DemoConfig, inputs: DemoInputs) -> None:
         self.cfg = cfg
         self.out = Path(cfg.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.rng = random.Random(cfg.seed)
-        if cfg.model is None:
-            self.tokenizer = char_tokenizer()
+        self.tokenizer = inputs.tokenizer
+        self.examples = inputs.examples
+        model_dir = inputs.model_dir
+        if model_dir is None:
             model_dir = tiny_llama(self.out / "init", len(self.tokenizer), cfg.seed)
             self.tokenizer.save_pretrained(model_dir)
-            self.examples: list[Example] | None = None
-        else:
-            if cfg.data is None:
-                raise ValueError("data: required with --model (a JSONL of prompt/answer pairs)")
-            from transformers import AutoTokenizer
-
-            model_dir = Path(cfg.model)
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            if self.tokenizer.pad_token_id is None:
-                self.tokenizer.pad_token = self.tokenizer.eos_token
-            self.examples = load_jsonl(cfg.data)
         policy = PolicyConfig(
             model_name=str(model_dir),
-            precision=cfg.precision,  # type: ignore[arg-type]
+            precision=cfg.precision,
             train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
             train_micro_batch_size=cfg.micro_batch_size,
             logprob_batch_size=cfg.micro_batch_size,
-            max_total_sequence_length=256,
+            max_total_sequence_length=cfg.max_sequence_length,
             temperature=cfg.temperature,
             optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
             seed=cfg.seed,
@@ -251,10 +193,10 @@ class Run:
         }
 
 
-def run_demo(cfg: DemoConfig) -> list[dict]:
+def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:
     """Run SFT then GRPO; write metrics.jsonl, metrics.png and the final HF export under cfg.out."""
     start = time.time()
-    run = Run(cfg)
+    run = Run(cfg, load_inputs(cfg) if inputs is None else inputs)
     total = cfg.sft_steps + cfg.grpo_steps
     bar = tqdm(total=total, desc="demo", unit="step", dynamic_ncols=True)
     for step in range(cfg.sft_steps):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from policyworker.demo.task import encode_prompt
+
 
 @dataclass(frozen=True, slots=True)
 class Samples:
@@ -91,6 +93,4 @@ class HFSampler:
         )
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        bos = self.tokenizer.bos_token_id
-        return ([bos] if bos is not None else []) + ids
+        return encode_prompt(self.tokenizer, prompt)

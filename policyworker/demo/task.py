@@ -59,8 +59,35 @@ def noisy_labels(
     return out
 
 
-def load_jsonl(path: str | Path) -> list[Example]:
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(folder: str | Path, *, field: str = "--model") -> Any:
+    """The checkpoint's own tokenizer, with a pad token; a `ValueError` naming `field` if the
+    folder has none or it does not load (rather than transformers' guesses at a fallback)."""
+    path = Path(folder)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"{field}: {folder} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)})"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, ImportError, KeyError, TypeError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{field}: the tokenizer in {folder} does not load ({reason})") from None
+    if tok.eos_token_id is None:
+        raise ValueError(f"{field}: the tokenizer in {folder} has no eos token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_jsonl(path: str | Path, *, field: str = "--data") -> list[Example]:
     """Prompt/answer pairs from a JSONL file; a malformed line is a ValueError naming it."""
+    if not Path(path).is_file():
+        raise ValueError(f"{field}: {path} is not a file (expected a JSONL of prompt/answer rows)")
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -70,11 +97,18 @@ def load_jsonl(path: str | Path) -> list[Example]:
             out.append(Example(prompt=str(row["prompt"]), answer=str(row["answer"])))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(
-                f"{path}:{i}: expected a JSON object with 'prompt' and 'answer' ({e})"
+                f"{field}: {path}:{i}: expected a JSON object with 'prompt' and 'answer' ({e})"
             ) from None
     if not out:
-        raise ValueError(f"{path}: no examples")
+        raise ValueError(f"{field}: {path} has no examples")
     return out
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Prompt token ids: BOS (if the tokenizer has one), then the text without special tokens."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
 
 
 def reward(response: str, answer: str) -> float:

@@ -1,7 +1,7 @@
 """Parallel layout: the sizes, explicit, and the one place megatron's `parallel_state` is set up.
 
 Ranks are laid out as megatron orders them (tp fastest, then cp, then dp, then pp), which is the
-named mesh `[pp, dp, cp, tp]` of REFERENCE.md.
+named mesh `[pp, dp, cp, tp]` that NeMo-RL uses.
 """
 
 from __future__ import annotations

@@ -1,0 +1,134 @@
+"""The demo's options (`DemoConfig`) and its inputs from disk, checked before any work starts.
+
+Kept apart from the run itself so that the command line can refuse bad input without loading
+megatron-core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from policyworker.demo.task import (
+    Example,
+    char_tokenizer,
+    encode_prompt,
+    load_jsonl,
+    load_tokenizer,
+)
+from policyworker.losses.clipped_pg import ClippedPGConfig
+from policyworker.model.hf_config import load_hf_config, model_shape
+
+
+@dataclass(kw_only=True, slots=True)
+class DemoConfig:
+    """The demo run. Defaults are the built-in task's, calibrated for 2 CPU cores."""
+
+    out: str = "runs/demo"
+    """Output folder: metrics.jsonl, metrics.png, hf/ (final export)."""
+    model: str | None = None
+    """A HF checkpoint to train instead of the built-in tiny Llama."""
+    data: str | None = None
+    """JSONL of {"prompt", "answer"} pairs (required with `model`)."""
+    seed: int = 0
+    """Seed for data, sampling and the model."""
+    sft_steps: int = 900
+    """SFT warm-up steps (NLLLoss)."""
+    sft_batch: int = 64
+    """Sequences per SFT step."""
+    sft_lr: float = 3e-3
+    """SFT learning rate."""
+    sft_wrong_fraction: float = 0.5
+    """Fraction of SFT labels replaced by wrong answers (built-in task)."""
+    grpo_steps: int = 40
+    """GRPO steps."""
+    prompts_per_step: int = 16
+    """Prompts per GRPO step."""
+    group_size: int = 8
+    """Samples per prompt."""
+    grpo_lr: float = 1e-3
+    """GRPO learning rate."""
+    temperature: float = 1.0
+    """Sampling temperature (the worker divides logits by it too)."""
+    max_new_tokens: int = 4
+    """Longest response."""
+    micro_batch_size: int = 64
+    """Micro-batch size for train and logprobs."""
+    max_sequence_length: int = 256
+    """Longest prompt + response (the worker's max_total_sequence_length)."""
+    precision: Literal["float32", "bfloat16"] = "float32"
+    """Worker precision."""
+    loss: ClippedPGConfig = field(
+        default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
+    )
+    """ClippedPGLoss options."""
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, expected: str) -> None:
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
+
+        for name in ("sft_steps", "grpo_steps"):
+            check(getattr(self, name) >= 0, name, ">= 0")
+        for name in ("sft_batch", "prompts_per_step", "micro_batch_size", "max_new_tokens"):
+            check(getattr(self, name) >= 1, name, ">= 1")
+        check(self.group_size >= 2, "group_size", ">= 2 (advantages compare samples of a prompt)")
+        for name in ("sft_lr", "grpo_lr", "temperature"):
+            check(getattr(self, name) > 0, name, "> 0")
+        check(0 <= self.sft_wrong_fraction <= 1, "sft_wrong_fraction", "a fraction in [0, 1]")
+        rollouts = self.prompts_per_step * self.group_size
+        check(
+            rollouts % self.micro_batch_size == 0,
+            "micro_batch_size",
+            f"a divisor of prompts_per_step * group_size = {rollouts}",
+        )
+        check(
+            self.sft_batch % min(self.micro_batch_size, self.sft_batch) == 0,
+            "sft_batch",
+            f"a multiple of micro_batch_size={self.micro_batch_size}",
+        )
+        check(
+            self.max_sequence_length > self.max_new_tokens,
+            "max_sequence_length",
+            "> max_new_tokens",
+        )
+
+
+@dataclass(slots=True)
+class DemoInputs:
+    """What a run reads from disk, loaded and checked before any work starts."""
+
+    tokenizer: Any
+    examples: list[Example] | None
+    """The user's prompt/answer pairs; None for the built-in task."""
+    model_dir: Path | None
+    """The user's checkpoint; None to build the built-in tiny Llama."""
+
+
+def load_inputs(cfg: DemoConfig) -> DemoInputs:
+    """Check the model folder, its tokenizer and the JSONL rows; a `ValueError` names the option."""
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out: {cfg.out} exists and is not a folder")
+    if cfg.model is None:
+        if cfg.data is not None:
+            raise ValueError("--data: needs --model (the built-in task has its own data)")
+        return DemoInputs(tokenizer=char_tokenizer(), examples=None, model_dir=None)
+    if cfg.data is None:
+        raise ValueError("--data: required with --model (a JSONL of prompt/answer pairs)")
+    shape = model_shape(load_hf_config(cfg.model, field="--model"))
+    tokenizer = load_tokenizer(cfg.model)
+    if len(tokenizer) > shape.vocab_size:
+        raise ValueError(
+            f"--model: the tokenizer has {len(tokenizer)} tokens, the model {shape.vocab_size}"
+        )
+    examples = load_jsonl(cfg.data)
+    for i, ex in enumerate(examples, start=1):
+        prompt = len(encode_prompt(tokenizer, ex.prompt))
+        answer = len(tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) + 1
+        if prompt + max(answer, cfg.max_new_tokens) > cfg.max_sequence_length:
+            raise ValueError(
+                f"--data: row {i} needs {prompt} prompt + {max(answer, cfg.max_new_tokens)} "
+                f"response tokens, over max_sequence_length={cfg.max_sequence_length}"
+            )
+    return DemoInputs(tokenizer=tokenizer, examples=examples, model_dir=Path(cfg.model))
