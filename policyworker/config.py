@@ -95,30 +95,57 @@ class ParallelConfig:
             )
 
 
+def _check_budget(value: int | None, name: str) -> None:
+    _check(
+        value is None or (isinstance(value, int) and value >= 1), name, "an int >= 1 or null", value
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class SequencePackingConfig:
     """Packing of variable-length sequences into THD bins (no padding between sequences)."""
 
     enabled: bool = False
-    """Pack micro-batches instead of padding them."""
-    algorithm: Literal["first_fit_decreasing"] = "first_fit_decreasing"
-    """Bin-packing algorithm."""
-    make_sequence_length_divisible_by: int = 1
-    """Each packed sequence is padded to a multiple of this (2*CP, times TP with sequence parallel)."""
+    """Pack micro-batches instead of padding them (train and every logprob/top-k call)."""
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing", "concatenative"] = (
+        "modified_first_fit_decreasing"
+    )
+    """Bin-packing algorithm (data/packing.py)."""
+    train_mb_tokens: int | None = None
+    """Token budget of one training micro-batch on one rank (padded tokens); default
+    train_micro_batch_size * max_total_sequence_length."""
+    logprob_mb_tokens: int | None = None
+    """Token budget of one logprob/top-k micro-batch; default
+    logprob_batch_size * max_total_sequence_length."""
+    make_sequence_length_divisible_by: int | None = None
+    """Each packed sequence is padded to a multiple of this; default 2*CP with context
+    parallelism, else 1."""
 
     def validate(self, prefix: str = "sequence_packing") -> None:
-        _check(
-            self.algorithm == "first_fit_decreasing",
-            f"{prefix}.algorithm",
-            "'first_fit_decreasing'",
-            self.algorithm,
+        _check_budget(self.train_mb_tokens, f"{prefix}.train_mb_tokens")
+        _check_budget(self.logprob_mb_tokens, f"{prefix}.logprob_mb_tokens")
+        _check_budget(
+            self.make_sequence_length_divisible_by, f"{prefix}.make_sequence_length_divisible_by"
         )
-        _check(
-            self.make_sequence_length_divisible_by >= 1,
-            f"{prefix}.make_sequence_length_divisible_by",
-            ">= 1",
-            self.make_sequence_length_divisible_by,
-        )
+
+
+@dataclass(kw_only=True, slots=True)
+class DynamicBatchingConfig:
+    """Token-budget micro-batches without packing: rows sorted by length, each micro-batch padded
+    to its own longest row and holding as many rows as fit the budget."""
+
+    enabled: bool = False
+    """Cut micro-batches by token budget instead of by row count."""
+    train_mb_tokens: int | None = None
+    """Budget of padded tokens (rows * longest) of one training micro-batch on one rank; default
+    train_micro_batch_size * max_total_sequence_length."""
+    logprob_mb_tokens: int | None = None
+    """Budget of one logprob/top-k micro-batch; default
+    logprob_batch_size * max_total_sequence_length."""
+
+    def validate(self, prefix: str = "dynamic_batching") -> None:
+        _check_budget(self.train_mb_tokens, f"{prefix}.train_mb_tokens")
+        _check_budget(self.logprob_mb_tokens, f"{prefix}.logprob_mb_tokens")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -150,7 +177,9 @@ class PolicyConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Megatron parallel sizes."""
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
-    """Sequence packing."""
+    """Sequence packing (THD bins by token budget)."""
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    """Token-budget micro-batches without packing."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -184,6 +213,13 @@ class PolicyConfig:
         self.scheduler.validate()
         self.parallel.validate()
         self.sequence_packing.validate()
+        self.dynamic_batching.validate()
+        _check(
+            not (self.sequence_packing.enabled and self.dynamic_batching.enabled),
+            "dynamic_batching.enabled",
+            "false when sequence_packing.enabled (choose one)",
+            True,
+        )
 
 
 # --- YAML and dotted overrides -------------------------------------------------------------------
@@ -258,8 +294,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p} is not a section")
-        try:
-            node[leaf] = yaml.safe_load(raw)
+        try:  # YAML's null is `null` or `~`; Python users write None
+            node[leaf] = None if raw == "None" else yaml.safe_load(raw)
         except yaml.YAMLError:
             raise ValueError(f"override {item!r}: the value is not valid YAML") from None
     return data

@@ -27,12 +27,13 @@ from policyworker.compat import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
-from policyworker.losses.common import Loss
+from policyworker.data.microbatch import Microbatch, build_plan
+from policyworker.losses.common import Loss, LossNeeds
 from policyworker.model.build import build_gpt_model, global_named_parameters
 from policyworker.model.hf_config import check_sliding_window, load_hf_config, model_shape
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.weights import SafetensorsReader, export_hf_weights, load_hf_weights
-from policyworker.ops.logprobs import token_logprobs, topk_logits
+from policyworker.ops.logprobs import topk_logits
 from policyworker.parallel.dims import (
     Groups,
     ParallelDims,
@@ -42,7 +43,7 @@ from policyworker.parallel.dims import (
     init_model_parallel,
 )
 from policyworker.train.optimizer import build_optimizer, build_scheduler, wrap_ddp
-from policyworker.train.step import run_microbatches, train_global_batch, trim_to_longest
+from policyworker.train.step import loss_inputs, run_microbatches, train_global_batch
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,6 @@ class MegatronPolicyWorker:
             raise ValueError(
                 "optimizer_path: optimizer state loading comes with distributed checkpoints"
             )
-        if config.sequence_packing.enabled:
-            raise ValueError(
-                "sequence_packing.enabled: packing in the worker is not implemented yet"
-            )
         self.cfg = config
         self.tokenizer = tokenizer
         self.hf_config = load_hf_config(config.model_name, require_weights=weights_path is None)
@@ -103,6 +100,7 @@ class MegatronPolicyWorker:
             ep=p.expert_model_parallel_size,
         )
         init_model_parallel(self.dims)
+        self.plan = build_plan(config, cp=self.dims.cp, pp=self.dims.pp)
         self.groups = Groups.current()
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
@@ -148,18 +146,15 @@ class MegatronPolicyWorker:
     ) -> BatchedDataDict:
         """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""
         mbs = self._check_inference_call(data, micro_batch_size)
-        temperature = self.cfg.temperature
+        needs = LossNeeds(logprobs=True)
 
         def fn(
-            logits: torch.Tensor, mb: BatchedDataDict
+            logits: torch.Tensor, mb: Microbatch
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            lp = token_logprobs(
-                logits,
-                mb["input_ids"],
-                temperature=temperature,
-                tp_group=self.groups.tp,
-                tp_rank=self.groups.tp_rank,
-            )
+            lp = loss_inputs(
+                logits, mb, needs, temperature=self.cfg.temperature, groups=self.groups
+            ).logprobs
+            assert lp is not None
             return lp.new_zeros(()), {"logprobs": lp}
 
         (logprobs,) = self._forward_collect(
@@ -192,7 +187,7 @@ class MegatronPolicyWorker:
         mbs = self._check_inference_call(data, micro_batch_size)
 
         def fn(
-            logits: torch.Tensor, mb: BatchedDataDict
+            logits: torch.Tensor, mb: Microbatch
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             vals, idx = topk_logits(
                 logits,
@@ -201,7 +196,10 @@ class MegatronPolicyWorker:
                 tp_group=self.groups.tp,
                 tp_rank=self.groups.tp_rank,
             )
-            return vals.new_zeros(()), {"topk_logits": vals, "topk_indices": idx}
+            return vals.new_zeros(()), {
+                "topk_logits": mb.unpack(vals),
+                "topk_indices": mb.unpack(idx),
+            }
 
         vals, idx = self._forward_collect(
             data,
@@ -237,6 +235,9 @@ class MegatronPolicyWorker:
             vocab_size=self.shape.vocab_size,
         )
         local_gbs = self._check_batch_sizes(b=b, gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
+        self.plan.check(
+            data["input_lengths"].tolist(), train=True, rows_per_example=loss_fn.rows_per_example
+        )
         data = loss_fn.prepare_batch(data).to(self.device)
         ddp = self.state.ddp
         ddp.train()
@@ -249,6 +250,7 @@ class MegatronPolicyWorker:
                     scheduler=self.state.scheduler,
                     batch=data.slice(start, start + local_gbs),
                     loss_fn=loss_fn,
+                    plan=self.plan,
                     micro_batch_size=mbs,
                     temperature=self.cfg.temperature,
                     max_grad_norm=self.cfg.max_grad_norm,
@@ -304,6 +306,7 @@ class MegatronPolicyWorker:
             max_seq_len=self.cfg.max_total_sequence_length,
             vocab_size=self.shape.vocab_size,
         )
+        self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
         return mbs
 
     def _check_batch_sizes(self, *, b: int, gbs: int, mbs: int, rows: int) -> int:
@@ -343,19 +346,17 @@ class MegatronPolicyWorker:
         batch = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")}).to(
             self.device
         )
-        mbs_list = [trim_to_longest(mb) for mb in batch.make_microbatch_iterator(mbs)]
+        microbatches = self.plan.split(batch, train=False, mbs=mbs)
         with torch.no_grad():
-            stores = run_microbatches(model, mbs_list, fn, forward_only=True)
+            stores = run_microbatches(model, microbatches, fn, forward_only=True)
         b, s = data["input_ids"].shape
         valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
         result = []
         for key, dtype in outputs.items():
             out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
-            row = 0
-            for st in stores:  # empty except on the last stage
+            for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
                 part = st[key].cpu()
-                out[row : row + part.shape[0], : part.shape[1]] = part
-                row += part.shape[0]
+                out[mb.rows, : part.shape[1]] = part
             out[~valid] = 0
             result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
         return result

@@ -1,6 +1,6 @@
 """One parallel layout's results, for `test_parallel.py`: run under torchrun, rank 0 saves them.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP
+    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack]
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them).
@@ -18,7 +18,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import make_batch
 
-from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig
+from policyworker.config import (
+    OptimizerConfig,
+    ParallelConfig,
+    PolicyConfig,
+    SequencePackingConfig,
+)
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses import (
     ClippedPGConfig,
@@ -29,7 +34,11 @@ from policyworker.losses import (
 )
 from policyworker.worker import MegatronPolicyWorker
 
-BATCH, SEQ, TOPK = 4, 14, 5
+BATCH, SEQ, TOPK = 8, 14, 5
+# Under DP2 the first shard is long and the second short: packed, they need different numbers of
+# bins, and the short rank runs fillers so that both run as many micro-batches.
+LENGTHS = [14, 13, 14, 12, 3, 4, 2, 5]
+PACK_TOKENS = 28
 
 
 def layout_results(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, object]:
@@ -65,7 +74,10 @@ OTHER_LOSSES = (
 )
 
 
-def config(model: str, *, tp: int, pp: int) -> PolicyConfig:
+def config(model: str, *, tp: int, pp: int, pack: bool = False) -> PolicyConfig:
+    packing = SequencePackingConfig(
+        enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
+    )
     return PolicyConfig(
         model_name=model,
         precision="float32",
@@ -75,16 +87,18 @@ def config(model: str, *, tp: int, pp: int) -> PolicyConfig:
         max_total_sequence_length=32,
         optimizer=OptimizerConfig(lr=1e-3),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        sequence_packing=packing,
     )
 
 
 def fixed_batch(vocab: int) -> BatchedDataDict:
-    return make_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=5)
+    return make_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=5, lengths=LENGTHS)
 
 
 def main() -> None:
     model, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    worker = MegatronPolicyWorker(config(model, tp=tp, pp=pp))
+    pack = sys.argv[5:] == ["pack"]
+    worker = MegatronPolicyWorker(config(model, tp=tp, pp=pp, pack=pack))
     data = fixed_batch(worker.shape.vocab_size)
     shard = data.shard_by_batch_size(worker.dims.dp)[worker.groups.dp_rank]
     mine = layout_results(worker, shard)

@@ -15,7 +15,14 @@ from multirank import config, fixed_batch, layout_results
 from policyworker.worker import MegatronPolicyWorker
 
 VOCAB = 128
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}  # (tp, pp); dp is what remains of 2
+# (tp, pp, packed); dp is what remains of 2. Packed layouts compare to the unpacked single rank.
+LAYOUTS = {
+    "tp2": (2, 1, False),
+    "pp2": (1, 2, False),
+    "dp2": (1, 1, False),
+    "pp2-packed": (1, 2, True),
+    "dp2-packed-unequal-shards": (1, 1, True),
+}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +38,10 @@ def single(tied_dir: Path) -> dict[str, object]:
     return layout_results(worker, fixed_batch(VOCAB))
 
 
-def run_layout(folder: Path, out: Path, tp: int, pp: int) -> dict[str, object]:
+def run_layout(folder: Path, out: Path, tp: int, pp: int, pack: bool) -> dict[str, object]:
     script = Path(__file__).parent / "multirank.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), str(folder), str(out), str(tp), str(pp)]
+    cmd += [str(script), str(folder), str(out), str(tp), str(pp), *(["pack"] if pack else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -43,8 +50,8 @@ def run_layout(folder: Path, out: Path, tp: int, pp: int) -> dict[str, object]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
-    tp, pp = LAYOUTS[layout]
-    got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp)
+    tp, pp, pack = LAYOUTS[layout]
+    got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp, pack)
     assert (got["dims"].tp, got["dims"].pp, got["dims"].dp) == (tp, pp, 2 // (tp * pp))
 
     hf = hf_logprobs(tied_dir, fixed_batch(VOCAB))

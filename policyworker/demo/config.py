@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from policyworker.config import SequencePackingConfig
 from policyworker.demo.task import (
     Example,
     char_tokenizer,
@@ -37,7 +38,7 @@ class DemoConfig:
     """SFT warm-up steps (NLLLoss)."""
     sft_batch: int = 64
     """Sequences per SFT step."""
-    sft_lr: float = 3e-3
+    sft_lr: float = 1e-3
     """SFT learning rate."""
     sft_wrong_fraction: float = 0.5
     """Fraction of SFT labels replaced by wrong answers (built-in task)."""
@@ -47,7 +48,7 @@ class DemoConfig:
     """Prompts per GRPO step."""
     group_size: int = 8
     """Samples per prompt."""
-    grpo_lr: float = 1e-3
+    grpo_lr: float = 5e-4
     """GRPO learning rate."""
     temperature: float = 1.0
     """Sampling temperature (the worker divides logits by it too)."""
@@ -59,6 +60,12 @@ class DemoConfig:
     """Longest prompt + response (the worker's max_total_sequence_length)."""
     precision: Literal["float32", "bfloat16"] = "float32"
     """Worker precision."""
+    sequence_packing: SequencePackingConfig = field(
+        default_factory=lambda: SequencePackingConfig(enabled=True)
+    )
+    """How the worker cuts batches: packed into token budgets by default (the budgets default to
+    micro_batch_size * max_sequence_length; set `sequence_packing.train_mb_tokens=...`), or
+    padded micro-batches of micro_batch_size rows with `sequence_packing.enabled=false`."""
     loss: ClippedPGConfig = field(
         default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
     )

@@ -114,6 +114,7 @@ class Run:
             train_micro_batch_size=cfg.micro_batch_size,
             logprob_batch_size=cfg.micro_batch_size,
             max_total_sequence_length=cfg.max_sequence_length,
+            sequence_packing=cfg.sequence_packing,
             temperature=cfg.temperature,
             optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
             seed=cfg.seed,

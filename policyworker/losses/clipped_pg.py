@@ -232,10 +232,10 @@ def _ratio_metrics(
         out = {}
         for name, r in (("probs_ratio", ratios), ("probs_ratio_clamped", clamped)):
             r = r.detach().expand_as(mask)
-            inf = torch.full_like(r, float("inf"))
+            inf = torch.full((1,), float("inf"), dtype=r.dtype, device=r.device)
             out[name] = masked_mean(r, mask, toks)
-            out[f"{name}_min"] = torch.where(valid, r, inf).amin()
-            out[f"{name}_max"] = torch.where(valid, r, -inf).amax()
+            out[f"{name}_min"] = torch.cat([r[valid], inf]).amin()
+            out[f"{name}_max"] = torch.cat([r[valid], -inf]).amax()
         return out
 
 

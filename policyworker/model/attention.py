@@ -4,11 +4,15 @@ Two layouts, as megatron hands them over:
 * padded (sbhd): query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np*hn];
 * packed (thd, `packed_seq_params.qkv_format == "thd"`): query [t, np, hn], key/value [t, ng, hn]
   with cu_seqlens -> [t, np*hn]. On GPU in bf16/fp16 this is
-  `torch.nn.attention.varlen.varlen_attn` (flash); otherwise each sequence runs through SDPA on
-  its own, which is exact and simple.
+  `torch.nn.attention.varlen.varlen_attn` (flash); otherwise SDPA runs on chunks of sequences
+  under a block-diagonal causal mask, which is exact.
 
 Attention is always causal; the mask megatron passes is ignored (right padding never leaks into
 earlier positions under a causal mask).
+
+RoPE is applied here, to the queries and keys megatron hands over (after the q/k norms, as in HF),
+with HF's exact frequencies (`set_rope`): positions 0..S-1 padded, and restarting at every
+sequence packed — one vectorized op either way (megatron's own THD RoPE loops over sequences).
 """
 
 from __future__ import annotations
@@ -47,6 +51,11 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
+        self.inv_freq: torch.Tensor | None = None
+
+    def set_rope(self, inv_freq: torch.Tensor) -> None:
+        """RoPE inverse frequencies [head_dim / 2] (fp32), applied to queries and keys."""
+        self.inv_freq = inv_freq
 
     def forward(
         self,
@@ -62,8 +71,15 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            positions = packed_positions(cu, query.shape[0])[:, None]  # [t, 1]
+            query, key = self._rope(query, positions), self._rope(key, positions)
             out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
             return out.reshape(out.shape[0], -1)
+        positions = torch.arange(query.shape[0], device=query.device)[:, None, None]  # [s, 1, 1]
+        query, key = self._rope(query, positions), self._rope(key, positions)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out = F.scaled_dot_product_attention(
@@ -77,6 +93,17 @@ class SDPACoreAttention(MegatronModule):
         )
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin at `positions` (broadcast over x's head dims), with
+        cos/sin computed in fp32 and cast to x's dtype, as HF and megatron do."""
+        if self.inv_freq is None:
+            raise RuntimeError("SDPACoreAttention: set_rope() was not called")
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)
 
     def _thd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
@@ -123,18 +150,53 @@ def _varlen_cuda(
     )
 
 
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] position of each packed token within its sequence (0 at every boundary, also at
+    the last one for any tokens after it)."""
+    cu = cu_seqlens.to(torch.long)
+    lengths = torch.diff(cu, append=cu.new_tensor([total]))  # the tail counts as one more span
+    starts = torch.repeat_interleave(cu, lengths, output_size=total)
+    return torch.arange(total, device=cu.device) - starts
+
+
+_CHUNK_TOKENS = 256  # the CPU path's chunks: few SDPA calls, little attention to masked pairs
+
+
 def _varlen_reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """One causal SDPA per packed sequence: the CPU path, and the GPU path's reference."""
+    """Causal attention within each packed sequence, exact: the CPU path, and the GPU path's
+    reference. Consecutive sequences are grouped into chunks of up to `_CHUNK_TOKENS` tokens and
+    each chunk is one SDPA call under a block-diagonal causal mask (a longer sequence runs alone,
+    plainly causal); tokens after the last sequence get zeros."""
     out = torch.zeros_like(query)
-    bounds = cu.tolist()
-    for start, end in itertools.pairwise(bounds):
-        if end == start:
-            continue
-        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [h, s, d]
+    for group in _chunks([(a, b) for a, b in itertools.pairwise(cu.tolist()) if b > a]):
+        start, end = group[0][0], group[-1][1]
+        q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [h, t, d]
+        mask = None
+        if len(group) > 1:
+            lengths = torch.tensor([b - a for a, b in group], device=query.device)
+            seq = torch.repeat_interleave(torch.arange(len(group), device=query.device), lengths)
+            mask = (seq[:, None] == seq[None, :]).tril()
         o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[0] != k.shape[0]
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=q.shape[0] != k.shape[0],
         )
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def _chunks(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Consecutive spans grouped while a group stays within `_CHUNK_TOKENS` tokens."""
+    groups: list[list[tuple[int, int]]] = []
+    for span in spans:
+        if groups and span[1] - groups[-1][0][0] <= _CHUNK_TOKENS:
+            groups[-1].append(span)
+        else:
+            groups.append([span])
+    return groups

@@ -134,14 +134,13 @@ def build_gpt_model(
         post_process=post_process,
         parallel_output=True,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=10000,  # replaced below by HF's exact frequencies
+        position_embedding_type="none",  # RoPE is applied in our core attention
     )
     # HF's frequencies (incl. llama3 scaling with its own low/high factors), not megatron's.
-    inv_freq = rope_inv_freq(hf_config, shape.head_dim)
-    if model.rotary_pos_emb is not None:
-        device = "cuda" if on_gpu else "cpu"
-        model.rotary_pos_emb.inv_freq = inv_freq.to(device)
+    inv_freq = rope_inv_freq(hf_config, shape.head_dim).to("cuda" if on_gpu else "cpu")
+    for module in model.modules():
+        if isinstance(module, SDPACoreAttention):
+            module.set_rope(inv_freq)
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model

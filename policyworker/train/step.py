@@ -18,7 +18,8 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.losses.common import Loss, LossInputs
+from policyworker.data.microbatch import Microbatch, MicrobatchPlan
+from policyworker.losses.common import Loss, LossInputs, LossNeeds
 from policyworker.model.build import batch_major_logits
 from policyworker.ops.logprobs import index_logprobs, token_logprobs, vocab_parallel_entropy
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
@@ -26,44 +27,29 @@ from policyworker.train.optimizer import optimizer_step
 
 log = logging.getLogger(__name__)
 
-# (logits [B, S, V/tp], micro-batch) -> (loss scalar, metrics); loss is ignored when forward-only.
-MicrobatchFn = Callable[
-    [torch.Tensor, BatchedDataDict], tuple[torch.Tensor, dict[str, torch.Tensor]]
-]
-
-
-def trim_to_longest(mb: BatchedDataDict) -> BatchedDataDict:
-    """Drop the all-padding tail of a micro-batch (per-token fields [B, S] are cut to max length)."""
-    seq = mb["input_ids"].shape[1]
-    longest = int(mb["input_lengths"].max())
-    if longest == seq:
-        return mb
-    return BatchedDataDict(
-        {
-            k: v[:, :longest]
-            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq
-            else v
-            for k, v in mb.items()
-        }
-    )
+# (logits [B, S, V/tp] or packed [1, T, V/tp], micro-batch) -> (loss scalar, metrics); the loss
+# is ignored when forward-only.
+MicrobatchFn = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def run_microbatches(
     model: torch.nn.Module,
-    microbatches: list[BatchedDataDict],
+    microbatches: list[Microbatch],
     fn: MicrobatchFn,
     *,
     forward_only: bool,
 ) -> list[dict[str, torch.Tensor]]:
     """Run `fn` on each micro-batch's logits via megatron's schedule; returns its metrics dicts."""
-    it: Iterator[BatchedDataDict] = iter(microbatches)
+    it: Iterator[Microbatch] = iter(microbatches)
+    device = microbatches[0].data["input_ids"].device
 
-    def forward_step(data_iterator: Iterator[BatchedDataDict], model: torch.nn.Module) -> Any:
+    def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> Any:
         mb = next(data_iterator)
-        ids = mb["input_ids"]
-        pos = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        # [B, S, V/tp] on the last stage (hidden states on the others)
-        logits = model(ids, pos, None, output_processor=batch_major_logits)
+        ids, pos, packed = mb.model_inputs(device)
+        # [B, S, V/tp] (packed: [1, T, V/tp]) on the last stage, hidden states on the others
+        logits = model(
+            ids, pos, None, packed_seq_params=packed, output_processor=batch_major_logits
+        )
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
             loss, metrics = fn(output, mb)
@@ -72,16 +58,35 @@ def run_microbatches(
 
         return logits, loss_func
 
-    seq = max(mb["input_ids"].shape[1] for mb in microbatches)
+    shapes = [mb.model_shape for mb in microbatches]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=it,
         model=[model],
         num_microbatches=len(microbatches),
-        seq_length=seq,
-        micro_batch_size=microbatches[0].size,
+        seq_length=max(s for _, s in shapes),
+        micro_batch_size=shapes[0][0],
         forward_only=forward_only,
     )
+
+
+def loss_inputs(
+    logits: torch.Tensor, mb: Microbatch, needs: LossNeeds, *, temperature: float, groups: Groups
+) -> LossInputs:
+    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`."""
+    tp = {"temperature": temperature, "tp_group": groups.tp}
+    logprobs = entropy = at_ids = None
+    if needs.logprobs:
+        lp = token_logprobs(logits, mb.pack(mb.data["input_ids"]), **tp, tp_rank=groups.tp_rank)
+        lp = mb.unpack(lp)
+        # Packed, a row's position 0 read the previous row's last logits: 0 by definition.
+        logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
+    if needs.entropy:
+        entropy = mb.unpack(vocab_parallel_entropy(logits, **tp))
+    if needs.index_key is not None:
+        ids = mb.pack(mb.data[needs.index_key])
+        at_ids = mb.unpack(index_logprobs(logits, ids, **tp, tp_rank=groups.tp_rank))
+    return LossInputs(logprobs=logprobs, entropy=entropy, index_logprobs=at_ids)
 
 
 def reduce_metrics(
@@ -124,24 +129,27 @@ def make_loss_fn(
     counts: dict[str, torch.Tensor],
 ) -> MicrobatchFn:
     """Logits -> what the loss asked for (`loss_fn.needs`) -> the loss, for one micro-batch."""
-    needs = loss_fn.needs
-    tp = {"temperature": temperature, "tp_group": groups.tp}
 
-    def fn(
-        logits: torch.Tensor, mb: BatchedDataDict
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inputs = LossInputs(
-            logprobs=token_logprobs(logits, mb["input_ids"], **tp, tp_rank=groups.tp_rank)
-            if needs.logprobs
-            else None,
-            entropy=vocab_parallel_entropy(logits, **tp) if needs.entropy else None,
-            index_logprobs=index_logprobs(logits, mb[needs.index_key], **tp, tp_rank=groups.tp_rank)
-            if needs.index_key is not None
-            else None,
-        )
-        return loss_fn(inputs, mb, counts)
+    def fn(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs = loss_inputs(logits, mb, loss_fn.needs, temperature=temperature, groups=groups)
+        return loss_fn(inputs, mb.data, counts)
 
     return fn
+
+
+def split_for_training(
+    batch: BatchedDataDict, plan: MicrobatchPlan, mbs: int, rows_per_example: int, groups: Groups
+) -> list[Microbatch]:
+    """This rank's micro-batches of a global batch, topped up with fillers (no loss, no tokens)
+    so that every data-parallel rank runs as many as the one with the most."""
+    mbs_list = plan.split(batch, train=True, mbs=mbs, rows_per_example=rows_per_example)
+    count = torch.tensor([len(mbs_list)], device=batch["input_ids"].device)
+    if groups.dp is not None and dist.get_world_size(groups.dp) > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.dp)
+    missing = int(count) - len(mbs_list)
+    if missing:
+        mbs_list += [plan.filler(batch, mbs_list[0], rows_per_example)] * missing
+    return mbs_list
 
 
 def global_counts(
@@ -163,6 +171,7 @@ def train_global_batch(
     scheduler: Any,
     batch: BatchedDataDict,
     loss_fn: Loss,
+    plan: MicrobatchPlan,
     micro_batch_size: int,
     temperature: float,
     max_grad_norm: float,
@@ -173,7 +182,9 @@ def train_global_batch(
     device = batch["input_ids"].device
     counts = global_counts(loss_fn, batch, groups.dp)
     fn = make_loss_fn(loss_fn, temperature=temperature, groups=groups, counts=counts)
-    microbatches = [trim_to_longest(mb) for mb in batch.make_microbatch_iterator(micro_batch_size)]
+    microbatches = split_for_training(
+        batch, plan, micro_batch_size, loss_fn.rows_per_example, groups
+    )
     lr = float(optimizer.param_groups[0]["lr"])
     if not eval_mode:
         ddp.zero_grad_buffer()

@@ -1,0 +1,252 @@
+"""How a batch is cut into micro-batches: a fixed number of rows, a token budget, or packed bins.
+
+The variant is chosen once, from the config, when the worker is built (`build_plan`):
+
+* `FixedSize`: consecutive runs of `mbs` rows, each padded to its own longest row.
+* `TokenBudget` (`dynamic_batching`): rows sorted by length, cut where a micro-batch padded to its
+  longest would exceed the token budget.
+* `Packed` (`sequence_packing`): rows packed end to end into bins of at most the token budget
+  (THD layout, `PackedSeqParams`), by the configured bin-packing algorithm.
+
+Rows that must share a micro-batch (`rows_per_example`, 2 for DPO pairs) are planned as one unit.
+A `Microbatch` remembers which rows of the batch it holds, so results go back in the caller's
+order; its `data` is always the padded `[n, S]` rows, which is what the losses read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from policyworker.config import PolicyConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.packing import PACKERS, PackedLayout, round_up, sorted_cuts
+
+
+def trim_to_longest(mb: BatchedDataDict) -> BatchedDataDict:
+    """Drop the all-padding tail of a micro-batch (per-token fields [B, S, ...] are cut)."""
+    seq = mb["input_ids"].shape[1]
+    longest = int(mb["input_lengths"].max())
+    if longest == seq:
+        return mb
+    return BatchedDataDict(
+        {
+            k: v[:, :longest]
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq
+            else v
+            for k, v in mb.items()
+        }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Microbatch:
+    """Some rows of a batch, as the model sees them (padded `[n, S]` or packed `[1, T]`)."""
+
+    rows: list[int]
+    """Indices into the batch this was cut from (empty for a filler that adds nothing)."""
+    data: BatchedDataDict
+    """Those rows, trimmed to their longest: what the loss reads."""
+    layout: PackedLayout | None = None
+    """The packed layout of the rows, or None when they run padded."""
+
+    @property
+    def size(self) -> int:
+        return self.data.size
+
+    @property
+    def model_shape(self) -> tuple[int, int]:
+        """(batch, sequence) of the model's input: (n, S) padded, (1, T) packed."""
+        if self.layout is None:
+            return tuple(self.data["input_ids"].shape)  # type: ignore[return-value]
+        return 1, self.layout.total
+
+    def model_inputs(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, PackedSeqParams | None]:
+        """(input_ids, position_ids, packed_seq_params) for megatron's GPTModel."""
+        ids = self.data["input_ids"]
+        if self.layout is None:
+            return ids, torch.arange(ids.shape[1], device=device).expand_as(ids), None
+        return self.pack(ids), self.layout.positions(device), self.layout.seq_params(device)
+
+    def pack(self, rows: torch.Tensor) -> torch.Tensor:
+        """Per-row values [n, S, ...] in the model's layout."""
+        return rows if self.layout is None else self.layout.pack(rows)
+
+    def unpack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position model outputs back to [n, S, ...] rows (zeros past each length)."""
+        if self.layout is None:
+            return values
+        return self.layout.unpack(values, self.data["input_ids"].shape[1])
+
+
+@dataclass(frozen=True, slots=True)
+class FixedSize:
+    """`mbs` consecutive rows per micro-batch."""
+
+    def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
+        """Nothing to check: any row fits."""
+
+    def split(
+        self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
+    ) -> list[Microbatch]:
+        return [
+            _rows(batch, list(range(start, min(start + mbs, batch.size))))
+            for start in range(0, batch.size, mbs)
+        ]
+
+    def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
+        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """Rows sorted by length, cut at the budget of padded tokens (`n * longest`)."""
+
+    train_tokens: int
+    logprob_tokens: int
+    field: str = "dynamic_batching"
+
+    def _budget(self, train: bool) -> tuple[int, str]:
+        name = "train_mb_tokens" if train else "logprob_mb_tokens"
+        return (self.train_tokens if train else self.logprob_tokens), f"{self.field}.{name}"
+
+    def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
+        budget, name = self._budget(train)
+        for unit in _units(list(lengths), rows_per_example):
+            if len(unit) * max(unit) > budget:
+                raise ValueError(
+                    f"{name}: a micro-batch of {len(unit)} row(s) of length {max(unit)} needs "
+                    f"{len(unit) * max(unit)} tokens, over the budget of {budget}"
+                )
+
+    def split(
+        self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
+    ) -> list[Microbatch]:
+        budget, _ = self._budget(train)
+        units = _units(batch["input_lengths"].tolist(), rows_per_example)
+        # A unit of r rows costs r * its longest row per unit of its bin's longest row.
+        longest = [max(u) for u in units]
+        bins = sorted_cuts(longest, budget // rows_per_example)
+        return [_rows(batch, _expand(b, rows_per_example)) for b in bins]
+
+    def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
+        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example))
+
+
+@dataclass(frozen=True, slots=True)
+class Packed:
+    """Rows packed end to end into bins of at most the budget (each padded to `divisible_by`)."""
+
+    algorithm: str
+    train_tokens: int
+    logprob_tokens: int
+    divisible_by: int
+    uniform: bool = False
+    """Pad every bin of a call to the same length (pipeline parallelism wants one shape)."""
+    field: str = "sequence_packing"
+
+    def _budget(self, train: bool) -> tuple[int, str]:
+        name = "train_mb_tokens" if train else "logprob_mb_tokens"
+        return (self.train_tokens if train else self.logprob_tokens), f"{self.field}.{name}"
+
+    def _unit_sizes(self, lengths: list[int], rows_per_example: int) -> list[int]:
+        return [
+            sum(round_up(n, self.divisible_by) for n in u)
+            for u in _units(lengths, rows_per_example)
+        ]
+
+    def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
+        budget, name = self._budget(train)
+        for size, unit in zip(
+            self._unit_sizes(list(lengths), rows_per_example),
+            _units(list(lengths), rows_per_example),
+            strict=True,
+        ):
+            if size > budget:
+                raise ValueError(
+                    f"{name}: a sequence (group) of length {sum(unit)} takes {size} tokens "
+                    f"padded to multiples of {self.divisible_by}, over the budget of {budget}"
+                )
+
+    def split(
+        self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
+    ) -> list[Microbatch]:
+        budget, _ = self._budget(train)
+        lengths = batch["input_lengths"].tolist()
+        bins = PACKERS[self.algorithm](self._unit_sizes(lengths, rows_per_example), budget)
+        row_bins = [_expand(b, rows_per_example) for b in bins]
+        total = None
+        if self.uniform:
+            total = max(sum(round_up(lengths[r], self.divisible_by) for r in b) for b in row_bins)
+        return [
+            _rows(batch, b, layout=self._layout([lengths[r] for r in b], total)) for b in row_bins
+        ]
+
+    def _layout(self, lengths: list[int], total: int | None) -> PackedLayout:
+        return PackedLayout.of(lengths, divisible_by=self.divisible_by, total=total)
+
+    def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
+        data = _filler_rows(batch, rows_per_example)
+        total = like.layout.total if self.uniform and like.layout is not None else None
+        layout = self._layout(data["input_lengths"].tolist(), total)
+        return Microbatch(rows=[], data=data, layout=layout)
+
+
+MicrobatchPlan = FixedSize | TokenBudget | Packed
+
+_FILLER_LENGTH = 2  # the shortest row whose loss slice (positions 1:) is not empty
+
+
+def _units(lengths: list[int], rows_per_example: int) -> list[list[int]]:
+    r = rows_per_example
+    return [lengths[i : i + r] for i in range(0, len(lengths), r)]
+
+
+def _expand(units: list[int], rows_per_example: int) -> list[int]:
+    return [u * rows_per_example + k for u in units for k in range(rows_per_example)]
+
+
+def _rows(
+    batch: BatchedDataDict, rows: list[int], layout: PackedLayout | None = None
+) -> Microbatch:
+    return Microbatch(rows=rows, data=trim_to_longest(batch.select_indices(rows)), layout=layout)
+
+
+def _filler_rows(batch: BatchedDataDict, rows_per_example: int) -> BatchedDataDict:
+    """Rows that add no loss, no tokens and no gradient: the first rows of the batch cut to two
+    tokens, with zero masks. Fillers let every data-parallel rank run as many micro-batches."""
+    data = batch.select_indices(list(range(rows_per_example)))
+    width = min(_FILLER_LENGTH, data["input_ids"].shape[1])
+    data["input_lengths"] = torch.full_like(data["input_lengths"], width)
+    data = trim_to_longest(data)
+    for key in ("token_mask", "sample_mask"):
+        if key in data:
+            data[key] = torch.zeros_like(data[key])
+    return data
+
+
+def build_plan(cfg: PolicyConfig, *, cp: int, pp: int) -> MicrobatchPlan:
+    """The micro-batching variant the config asks for (budgets default to the row-count sizes
+    times the longest allowed sequence)."""
+    train_default = cfg.train_micro_batch_size * cfg.max_total_sequence_length
+    logprob_default = cfg.logprob_batch_size * cfg.max_total_sequence_length
+    sp, db = cfg.sequence_packing, cfg.dynamic_batching
+    if sp.enabled:
+        return Packed(
+            algorithm=sp.algorithm,
+            train_tokens=sp.train_mb_tokens or train_default,
+            logprob_tokens=sp.logprob_mb_tokens or logprob_default,
+            divisible_by=sp.make_sequence_length_divisible_by or (2 * cp if cp > 1 else 1),
+            uniform=pp > 1,
+        )
+    if db.enabled:
+        return TokenBudget(
+            train_tokens=db.train_mb_tokens or train_default,
+            logprob_tokens=db.logprob_mb_tokens or logprob_default,
+        )
+    return FixedSize()
