@@ -5,8 +5,10 @@ whose micro-batch plan is swapped between runs. The batch: 64 sequences, prompts
 tokens, responses log-normal with median 700 tokens, capped at 8192 (the loss covers the
 responses). Each plan trains one global batch (NLLLoss) and scores it (get_logprobs):
 
-* padded:   a fixed number of rows per micro-batch (`--padded-rows`, 4), each micro-batch
-            padded to its own longest row;
+* padded_to_longest: a fixed number of rows per micro-batch (`--padded-rows`, 4), every one
+            padded to the batch's longest row (a worker that does not trim micro-batches);
+* padded:   the same rows per micro-batch, each micro-batch trimmed to its own longest row (our
+            default without a budget);
 * budgeted: dynamic batching, rows sorted by length, cut at the token budget;
 * packed:   sequence packing into bins of the token budget (flash varlen attention);
 * no-waste: the limit — full micro-batches of equal-length sequences (no padding at all) with the
@@ -45,6 +47,21 @@ def rl_batch(
     pos = torch.arange(width)[None, :]
     mask = ((pos >= prompts[:, None]) & (pos < lengths[:, None])).float()
     return ids, lengths, mask
+
+
+def pad_to_longest_plan() -> object:
+    """Fixed-size micro-batches that keep the batch's full width (no trimming)."""
+    from policyworker.data.microbatch import FixedSize, Microbatch
+
+    class PadToLongest(FixedSize):
+        def split(self, batch, *, train, mbs, rows_per_example=1):  # type: ignore[no-untyped-def]
+            starts = range(0, batch.size, mbs)
+            return [
+                Microbatch(rows=list(range(s, s + mbs)), data=batch.slice(s, s + mbs))
+                for s in starts
+            ]
+
+    return PadToLongest()
 
 
 def run(worker: object, data: object, steps: int) -> dict[str, float]:
@@ -106,6 +123,7 @@ def main() -> None:
         input_ids=ids, input_lengths=lengths, token_mask=mask, sample_mask=torch.ones(b)
     )
     plans = {
+        "padded_to_longest": pad_to_longest_plan(),
         "padded": FixedSize(),
         "budgeted": TokenBudget(train_tokens=args.budget, logprob_tokens=args.budget),
         "packed": Packed(
@@ -134,7 +152,7 @@ def main() -> None:
     worker.cfg.train_micro_batch_size = worker.cfg.logprob_batch_size = args.budget // seq
     worker.cfg.train_global_batch_size = n_full
     results["no_waste"] = run(worker, full, args.steps)
-    tokens = {"padded": real_tokens, "budgeted": real_tokens, "packed": real_tokens}
+    tokens = {name: real_tokens for name in plans}
     tokens["no_waste"] = n_full * seq
 
     row: dict[str, object] = {
@@ -154,6 +172,7 @@ def main() -> None:
         packed = row[f"packed_{kind}_tok_s"]
         row[f"packed_vs_padded_{kind}"] = packed / row[f"padded_{kind}_tok_s"]
         row[f"packed_vs_no_waste_{kind}"] = packed / row[f"no_waste_{kind}_tok_s"]
+        row[f"packed_vs_padded_to_longest_{kind}"] = packed / row[f"padded_to_longest_{kind}_tok_s"]
         row[f"budgeted_vs_padded_{kind}"] = (
             row[f"budgeted_{kind}_tok_s"] / row[f"padded_{kind}_tok_s"]
         )

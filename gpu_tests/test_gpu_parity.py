@@ -128,7 +128,7 @@ def test_compiled_loss_ops_match_eager():
     w = torch.randn(4, 64, 8, generator=g)
     results = {}
     for device in ("cpu", "cuda"):
-        x = logits.to(device).requires_grad_(True)
+        x = logits.to(device).detach().requires_grad_(True)
         tp = dict(temperature=0.7, tp_group=None)
         lp = index_logprobs(x, idx.to(device), **tp, tp_rank=0)
         tok = token_logprobs(x, ids.to(device), **tp, tp_rank=0)
