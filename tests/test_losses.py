@@ -516,3 +516,64 @@ def test_masked_mean_uses_the_given_denominator():
     v, m = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1.0, 0.0, 1.0])
     assert float(masked_mean(v, m, 8.0)) == pytest.approx(0.5)
     assert float(masked_mean(v, m)) == pytest.approx(2.0)
+
+
+# --- the reference's classic hand cases (ratios 0.5 / 1.0 / 1.5 around prev = -1) ---------------
+
+
+def _classic(cfg, curr, prev=(-1.0, -1.0, -1.0)):
+    data = {
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0, 1.0]]),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.tensor([[0.0, 1.0, -1.0, 2.0]]),
+        "prev_logprobs": torch.tensor([[0.0, *prev]]),
+        "generation_logprobs": torch.tensor([[0.0, *prev]]),
+        "reference_policy_logprobs": torch.zeros(1, 4),
+    }
+    loss_fn = ClippedPGLoss(cfg)
+    lp = torch.tensor([[0.0, *curr]])
+    return loss_fn(LossInputs(logprobs=lp), data, loss_fn.counts(data))
+
+
+def test_reference_ppo_reinforce_and_on_policy_cases():
+    ratios_curr = (math.log(0.5) - 1, -1.0, math.log(1.5) - 1)
+    loss, _ = _classic(ClippedPGConfig(reference_policy_kl_penalty=0.0), ratios_curr)
+    assert float(loss) == pytest.approx((-0.5 + 1.0 - 2.4) / 3, rel=1e-5)  # -0.6333
+    reinforce = ClippedPGConfig(
+        reference_policy_kl_penalty=0.0, disable_ppo_ratio=True, ratio_clip_min=0, ratio_clip_max=0
+    )
+    loss, _ = _classic(reinforce, (-0.5, -1.0, -1.5), prev=(0.0, 0.0, 0.0))
+    assert float(loss) == pytest.approx((0.5 - 1.0 + 3.0) / 3, rel=1e-5)  # 0.8333
+    loss, m = _classic(
+        ClippedPGConfig(reference_policy_kl_penalty=0.0, force_on_policy_ratio=True), ratios_curr
+    )
+    assert float(loss) == pytest.approx((-1.0 + 1.0 - 2.0) / 3, rel=1e-5)  # -0.6667
+    assert float(m["probs_ratio_min"]) == float(m["probs_ratio_max"]) == 1.0
+
+
+def test_on_policy_kl_approximation_weights_the_kl_by_curr_over_gen():
+    beta = 0.2
+    data = _data()
+    cfg = ClippedPGConfig(reference_policy_kl_penalty=beta, use_on_policy_kl_approximation=True)
+    with_kl, _, m = _run(ClippedPGLoss(cfg), data, BASE["next_token_logprobs"])
+    no_kl, _, _ = _run(
+        ClippedPGLoss(ClippedPGConfig(reference_policy_kl_penalty=0.0)),
+        data,
+        BASE["next_token_logprobs"],
+    )
+    curr, toks = BASE["next_token_logprobs"], _tokens(data)
+    kl = 0.0
+    for b, t in toks:
+        c, g = curr[b][t], BASE["generation_logprobs"][b][t + 1]
+        kl += math.exp(c - g) * _k3(BASE["reference_policy_logprobs"][b][t + 1] - c)
+    assert float(with_kl - no_kl) == pytest.approx(beta * kl / len(toks), rel=1e-7)
+    assert float(m["kl_penalty"]) == pytest.approx(kl / len(toks), rel=1e-7)
+
+
+def test_kl_in_reward_leaves_the_kl_out_of_the_loss():
+    cfg = ClippedPGConfig(reference_policy_kl_penalty=0.5, use_kl_in_reward=True)
+    loss_fn = ClippedPGLoss(cfg)
+    assert "reference_policy_logprobs" not in loss_fn.required_keys
+    loss, _, m = _run(loss_fn, _data(), BASE["next_token_logprobs"])
+    assert float(loss) == pytest.approx(CASES["ppo_token"]["loss"], rel=1e-12)
+    assert float(m["kl_penalty"]) == 0.0
