@@ -37,6 +37,9 @@ class OptimizerConfig:
     """Adam epsilon."""
     weight_decay: float = 0.01
     """Decoupled weight decay (AdamW)."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state and fp32 master weights over data-parallel ranks (megatron's
+    DistributedOptimizer: gradients reduce-scattered, parameters all-gathered after the step)."""
 
     def validate(self, prefix: str = "optimizer") -> None:
         _check(self.lr > 0, f"{prefix}.lr", "> 0", self.lr)

@@ -42,7 +42,12 @@ from policyworker.parallel.dims import (
     init_distributed,
     init_model_parallel,
 )
-from policyworker.train.optimizer import build_optimizer, build_scheduler, wrap_ddp
+from policyworker.train.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    optimizer_state_bytes,
+    wrap_ddp,
+)
 from policyworker.train.step import loss_inputs, run_microbatches, train_global_batch
 
 log = logging.getLogger(__name__)
@@ -129,7 +134,7 @@ class MegatronPolicyWorker:
         )
         ddp = optimizer = scheduler = None
         if init_optimizer:
-            ddp = wrap_ddp(model)
+            ddp = wrap_ddp(model, distributed_optimizer=config.optimizer.use_distributed_optimizer)
             optimizer = build_optimizer(ddp, config.optimizer, params_dtype=self.dtype)
             scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
         reference = (
@@ -258,7 +263,9 @@ class MegatronPolicyWorker:
                     eval_mode=eval_mode,
                 )
             )
-        return _summarize(results)
+        metrics = _summarize(results)
+        metrics["optimizer_state_bytes"] = optimizer_state_bytes(self.state.optimizer)
+        return metrics
 
     def set_learning_rate(self, lr: float) -> None:
         """Restart the schedule at a new peak lr (e.g. SFT warm-up, then RL at a smaller lr)."""

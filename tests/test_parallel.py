@@ -15,13 +15,15 @@ from multirank import config, fixed_batch, layout_results
 from policyworker.worker import MegatronPolicyWorker
 
 VOCAB = 128
-# (tp, pp, packed); dp is what remains of 2. Packed layouts compare to the unpacked single rank.
+# (tp, pp, flags); dp is what remains of 2. Every layout compares to the single rank, which runs
+# unpacked with the plain optimizer.
 LAYOUTS = {
-    "tp2": (2, 1, False),
-    "pp2": (1, 2, False),
-    "dp2": (1, 1, False),
-    "pp2-packed": (1, 2, True),
-    "dp2-packed-unequal-shards": (1, 1, True),
+    "tp2": (2, 1, ()),
+    "pp2": (1, 2, ()),
+    "dp2": (1, 1, ()),
+    "pp2-packed": (1, 2, ("pack",)),
+    "dp2-packed-unequal-shards": (1, 1, ("pack",)),
+    "dp2-distributed-optimizer": (1, 1, ("distopt",)),
 }
 
 
@@ -38,10 +40,12 @@ def single(tied_dir: Path) -> dict[str, object]:
     return layout_results(worker, fixed_batch(VOCAB))
 
 
-def run_layout(folder: Path, out: Path, tp: int, pp: int, pack: bool) -> dict[str, object]:
+def run_layout(
+    folder: Path, out: Path, tp: int, pp: int, flags: tuple[str, ...]
+) -> dict[str, object]:
     script = Path(__file__).parent / "multirank.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), str(folder), str(out), str(tp), str(pp), *(["pack"] if pack else [])]
+    cmd += [str(script), str(folder), str(out), str(tp), str(pp), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -50,8 +54,8 @@ def run_layout(folder: Path, out: Path, tp: int, pp: int, pack: bool) -> dict[st
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
-    tp, pp, pack = LAYOUTS[layout]
-    got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp, pack)
+    tp, pp, flags = LAYOUTS[layout]
+    got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp, flags)
     assert (got["dims"].tp, got["dims"].pp, got["dims"].dp) == (tp, pp, 2 // (tp * pp))
 
     hf = hf_logprobs(tied_dir, fixed_batch(VOCAB))
@@ -67,6 +71,10 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
             for key in ("probs_ratio", "probs_ratio_min", "accuracy", "kl_penalty"):
                 if key in want:
                     assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-5), key
+    if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks
+        whole = single["train"][-1]["optimizer_state_bytes"]
+        for rank_metrics in got["train"]:
+            assert rank_metrics[-1]["optimizer_state_bytes"] <= 0.6 * whole
     # Training moved the weights, and moved them the same way.
     moved = (single["logprobs_after"] - single["logprobs"]).abs().max()
     assert moved > 1e-2

@@ -229,3 +229,21 @@ def test_steps_equal_plain_torch(llama_dir, max_grad_norm):
         assert min(norms) > 2 * max_grad_norm  # both steps were clipped
     for name, tensor in worker.export_hf_weights():
         torch.testing.assert_close(tensor.cpu(), ref[name].detach(), rtol=0, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_distributed_optimizer_equals_plain_on_one_rank(llama_dir, precision):
+    data = make_batch(batch=4, seq=12)
+    results = []
+    for distributed in (False, True):
+        opt = OptimizerConfig(lr=1e-3, use_distributed_optimizer=distributed)
+        worker = make_worker(llama_dir, precision=precision, optimizer=opt)
+        metrics = [worker.train(data, ClippedPGLoss()) for _ in range(2)]
+        results.append((metrics, _params(worker)))
+    (m0, p0), (m1, p1) = results
+    for a, b in zip(m0, m1, strict=True):
+        assert a["loss"] == b["loss"]
+        # the norm sums the same squares grouped by buckets instead of by tensors
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+    assert all(torch.equal(p0[n], p1[n]) for n in p0)  # below the clip: the same Adam updates
+    assert m1[-1]["optimizer_state_bytes"] == m0[-1]["optimizer_state_bytes"] > 0

@@ -6,7 +6,8 @@ megatron-core assumes CUDA in a few places that our code paths reach:
   DDP grad buffers, the pipeline schedules, the optimizers);
 * `torch.cuda.synchronize` / streams / events / `torch.cuda.manual_seed`;
 * the CUDA RNG tracker's get/set of the CUDA generator state;
-* `tensor.type()` CUDA type strings that the fp16/bf16 optimizer sorts parameters by;
+* `tensor.type()` CUDA type strings that the fp16/bf16 and the distributed optimizers sort
+  parameters by;
 * `tensor.cuda()` on the last stage's copy of tied embeddings (pipeline parallelism).
 
 (megatron's grad clipping is not reached: `train.optimizer.optimizer_step` clips.)
@@ -46,6 +47,7 @@ _PROXIED_MODULES = (
     "megatron.core.distributed.finalize_model_grads",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.utils",
@@ -240,6 +242,8 @@ def apply_cpu_patches() -> bool:
 
     optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
     _run_inside(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_strings)
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    _run_inside(distrib.DistributedOptimizer, "__init__", _cuda_type_strings)
     language_module = importlib.import_module(
         "megatron.core.models.common.language_module.language_module"
     )

@@ -10,6 +10,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import (
     ChainedOptimizer,
     Float16OptimizerWithFloat16Params,
@@ -21,12 +22,13 @@ from megatron.core.transformer.module import MegatronModule
 from policyworker.config import OptimizerConfig, SchedulerConfig
 
 
-def wrap_ddp(model: MegatronModule) -> DistributedDataParallel:
-    """megatron DDP: params and fp32 grads in contiguous buffers, gradients summed over DP."""
+def wrap_ddp(model: MegatronModule, *, distributed_optimizer: bool) -> DistributedDataParallel:
+    """megatron DDP: params and fp32 grads in contiguous buffers, gradients summed over DP
+    (reduce-scattered to their owners with the distributed optimizer)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=distributed_optimizer,
         check_for_nan_in_grad=False,  # non-finite grads skip the step instead (see train.step)
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
@@ -62,7 +64,7 @@ def build_optimizer(
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
         clip_grad=0.0,  # clipping is folded into the Adam kernel by `optimizer_step`
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(mcore_cfg, [ddp])
     _use_fused_adamw(optimizer)
@@ -113,7 +115,11 @@ def optimizer_step(
         torch_opt = part.optimizer
         torch_opt.grad_scale = grad_scale  # type: ignore[attr-defined]  # read by Adam.step
         try:
-            torch_opt.step()
+            if isinstance(part, DistributedOptimizer):
+                # its step: Adam on this rank's shard, shard -> param buffer, all-gather params
+                part.step_with_ready_grads()
+            else:
+                torch_opt.step()
         finally:
             torch_opt.grad_scale = None  # type: ignore[attr-defined]
         if isinstance(part, Float16OptimizerWithFloat16Params):
@@ -121,6 +127,21 @@ def optimizer_step(
             main = [p for g in part.fp32_from_float16_groups for p in g]
             torch._foreach_copy_(model, main)
     return True, norm
+
+
+def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
+    """Bytes this rank holds for the optimizer: Adam's moments, and the fp32 master weights when
+    the model is bf16 (an fp32 model's parameters are its own masters)."""
+    total = 0
+    for part in _parts(optimizer):
+        state = part.optimizer.state
+        for group in part.optimizer.param_groups:
+            for p in group["params"]:
+                tensors = [t for t in state.get(p, {}).values() if torch.is_tensor(t)]
+                total += sum(t.numel() * t.element_size() for t in tensors if t.dim() > 0)
+                if part.config.bf16:
+                    total += p.numel() * p.element_size()
+    return total
 
 
 def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> float:
