@@ -157,7 +157,12 @@ class MegatronPolicyWorker:
             logits: torch.Tensor, mb: Microbatch
         ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             lp = loss_inputs(
-                logits, mb, needs, temperature=self.cfg.temperature, groups=self.groups
+                logits,
+                mb,
+                needs,
+                temperature=self.cfg.temperature,
+                groups=self.groups,
+                vocab_size=self.shape.vocab_size,
             ).logprobs
             assert lp is not None
             return lp.new_zeros(()), {"logprobs": lp}
@@ -258,6 +263,7 @@ class MegatronPolicyWorker:
                     plan=self.plan,
                     micro_batch_size=mbs,
                     temperature=self.cfg.temperature,
+                    vocab_size=self.shape.vocab_size,
                     max_grad_norm=self.cfg.max_grad_norm,
                     groups=self.groups,
                     eval_mode=eval_mode,

@@ -160,7 +160,6 @@ def test_bad_config_values(kwargs, field):
     "parallel,field",
     [
         ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size.*num_attention_heads=4"),
-        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size.*vocab_size=101"),
         ({"pipeline_model_parallel_size": 3}, "pipeline_model_parallel_size.*num_layers=2"),
         ({"context_parallel_size": 2}, "context_parallel_size"),
         ({"expert_model_parallel_size": 2}, "expert_model_parallel_size"),

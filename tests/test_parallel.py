@@ -41,10 +41,16 @@ def single(tied_dir: Path) -> dict[str, object]:
 
 
 def run_layout(
-    folder: Path, out: Path, tp: int, pp: int, flags: tuple[str, ...]
+    folder: Path, out: Path, tp: int, pp: int, flags: tuple[str, ...], nproc: int = 2
 ) -> dict[str, object]:
     script = Path(__file__).parent / "multirank.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
     cmd += [str(script), str(folder), str(out), str(tp), str(pp), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -57,11 +63,39 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
     tp, pp, flags = LAYOUTS[layout]
     got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp, flags)
     assert (got["dims"].tp, got["dims"].pp, got["dims"].dp) == (tp, pp, 2 // (tp * pp))
+    _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=pp)
+    if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks
+        whole = single["train"][-1]["optimizer_state_bytes"]
+        for rank_metrics in got["train"]:
+            assert rank_metrics[-1]["optimizer_state_bytes"] <= 0.6 * whole
 
-    hf = hf_logprobs(tied_dir, fixed_batch(VOCAB))
+
+def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):
+    """127 tokens over 3 ranks: the vocabulary is padded to 129; the padded columns never count
+    and the export carries the true 127 rows."""
+    folder = make_hf_model(
+        tmp_path_factory.mktemp("qwen2_odd"),
+        "qwen2",
+        vocab_size=127,
+        hidden_size=96,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        intermediate_size=192,
+        tie_word_embeddings=True,
+    )
+    single = layout_results(MegatronPolicyWorker(config(str(folder), tp=1, pp=1)), fixed_batch(127))
+    got = run_layout(folder, tmp_path / "out.pt", 3, 1, (), nproc=3)
+    assert (got["dims"].tp, got["dims"].dp) == (3, 1)
+    _assert_matches(got, single, folder, 127, tmp_path, pp=1)
+
+
+def _assert_matches(got, single, folder, vocab, tmp_path, *, pp):
+    """A layout's results against the single rank's and transformers'."""
+    hf = hf_logprobs(folder, fixed_batch(vocab))
     assert (got["logprobs"] - hf).abs().max() <= 1e-4
     for key in ("logprobs", "reference_logprobs", "topk_logits"):
         assert (got[key] - single[key]).abs().max() <= 1e-5, key
+    assert int(got["topk_indices"].max()) < vocab
     assert torch.equal(got["topk_indices"], single["topk_indices"])
 
     for step, want in enumerate(single["train"]):
@@ -71,10 +105,6 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
             for key in ("probs_ratio", "probs_ratio_min", "accuracy", "kl_penalty"):
                 if key in want:
                     assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-5), key
-    if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks
-        whole = single["train"][-1]["optimizer_state_bytes"]
-        for rank_metrics in got["train"]:
-            assert rank_metrics[-1]["optimizer_state_bytes"] <= 0.6 * whole
     # Training moved the weights, and moved them the same way.
     moved = (single["logprobs_after"] - single["logprobs"]).abs().max()
     assert moved > 1e-2
@@ -83,4 +113,4 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
     # The HF export (TP shards gathered, one file per pipeline stage) holds the trained weights.
     exported = tmp_path / "out.hf"
     assert len(list(exported.glob("*.safetensors"))) == pp
-    assert (hf_logprobs(exported, fixed_batch(VOCAB)) - got["logprobs_final"]).abs().max() <= 1e-4
+    assert (hf_logprobs(exported, fixed_batch(vocab)) - got["logprobs_final"]).abs().max() <= 1e-4

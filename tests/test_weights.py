@@ -52,7 +52,7 @@ def test_sharded_index_checkpoint_loads(tmp_path):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_shards_join_back_exactly(tmp_path, tp):
-    # vocab divisible by tp: padding the vocabulary for TP comes with the TP issue
+    # vocab divisible by tp (a padded vocabulary: test_vocabulary_padded_for_tp_round_trips)
     folder = make_hf_model(
         tmp_path, "qwen2", num_attention_heads=8, num_key_value_heads=4, vocab_size=128
     )
@@ -122,3 +122,21 @@ def test_crash_during_save_keeps_the_old_folder(tmp_path, llama_dir):
         hf_checkpoint.save_hf_folder(out, hf_config=worker.hf_config, tensors=crashing())
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary left
+
+
+def test_vocabulary_padded_for_tp_round_trips(tmp_path):
+    """101 rows over TP3: megatron holds 102 (a zero row), each rank 34; HF export has 101."""
+    folder = make_hf_model(tmp_path, "llama", vocab_size=101)
+    from transformers import AutoConfig
+
+    shape = model_shape(AutoConfig.from_pretrained(folder))
+    reader = SafetensorsReader(folder)
+    assert shape.padded_vocab_size(3) == 102 and shape.padded_vocab_size(1) == 101
+    for m in mappings(shape, tp=3):
+        hf = [reader.get(n) for n in m.hf]
+        full = m.to_mcore(hf, shape)
+        if "embed" in m.hf[0] or "lm_head" in m.hf[0]:
+            assert full.shape[0] == 102 and (full[101:] == 0).all()
+            assert all(s.shape[0] == 34 for s in (m.shard(full, r, 3) for r in range(3)))
+        back = m.to_hf(m.unshard([m.shard(full, r, 3) for r in range(3)]), shape)
+        assert all(torch.equal(a, b) for a, b in zip(back, hf, strict=True)), m.mcore

@@ -128,7 +128,7 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=shape.vocab_size,
+        vocab_size=shape.padded_vocab_size(dims.tp),
         max_sequence_length=max(max_seq_len, shape.max_position_embeddings),
         pre_process=pre_process,
         post_process=post_process,

@@ -57,6 +57,11 @@ class ModelShape:
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def padded_vocab_size(self, tp: int) -> int:
+        """The vocabulary rounded up to a multiple of TP: megatron's embedding and output layer
+        have this many rows; the rows past `vocab_size` are zero and never count."""
+        return -(-self.vocab_size // tp) * tp
+
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 

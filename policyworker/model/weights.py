@@ -94,7 +94,23 @@ class GateUp(Copy):
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
 
 
-Mapping = Copy | QKV | GateUp
+@dataclass(frozen=True, slots=True)
+class VocabRows(Copy):
+    """Embedding / output rows: zero rows pad the vocabulary to `rows` (a multiple of TP); the
+    HF side has exactly `vocab_size` rows."""
+
+    rows: int = 0
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        full = tensors[0]
+        pad = self.rows - full.shape[0]
+        return torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [tensor[: shape.vocab_size]]
+
+
+Mapping = Copy | QKV | GateUp | VocabRows
 
 
 def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
@@ -134,23 +150,26 @@ def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
     return out
 
 
-def mappings(shape: ModelShape) -> list[Mapping]:
+def mappings(shape: ModelShape, tp: int = 1) -> list[Mapping]:
     """Every megatron parameter of the full model with its HF sources, in HF file order."""
+    rows = shape.padded_vocab_size(tp)
     table: list[Mapping] = [
-        Copy("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), 0)
+        VocabRows("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), 0, rows)
     ]
     for i in range(shape.num_layers):
         table += _layer_mappings(i, shape)
     table.append(Copy("decoder.final_layernorm.weight", ("model.norm.weight",), None))
     if not shape.tie_word_embeddings:
-        table.append(Copy("output_layer.weight", ("lm_head.weight",), 0))
+        table.append(VocabRows("output_layer.weight", ("lm_head.weight",), 0, rows))
     return table
 
 
-# With tied embeddings and pipeline parallelism the last stage holds its own copy of the
-# embedding as the output layer (megatron keeps the two in sync); it loads from the embedding
-# and is never exported (the first stage exports the one HF tensor).
-_TIED_OUTPUT = Copy("output_layer.weight", ("model.embed_tokens.weight",), 0)
+def _tied_output(shape: ModelShape, tp: int) -> VocabRows:
+    """With tied embeddings and pipeline parallelism the last stage holds its own copy of the
+    embedding as the output layer (megatron keeps the two in sync); it loads from the embedding
+    and is never exported (the first stage exports the one HF tensor)."""
+    rows = shape.padded_vocab_size(tp)
+    return VocabRows("output_layer.weight", ("model.embed_tokens.weight",), 0, rows)
 
 
 class SafetensorsReader:
@@ -194,9 +213,10 @@ def load_hf_weights(
     Parameters absent from `params` (other pipeline stages) are skipped; a megatron parameter
     with no mapping, or a shape mismatch, is an error.
     """
-    table = {m.mcore: m for m in mappings(shape)}
+    table = {m.mcore: m for m in mappings(shape, tp_size)}
     if shape.tie_word_embeddings:
-        table[_TIED_OUTPUT.mcore] = _TIED_OUTPUT
+        tied = _tied_output(shape, tp_size)
+        table[tied.mcore] = tied
     unmapped = sorted(set(params) - set(table))
     if unmapped:
         raise KeyError(f"no HF mapping for megatron parameters: {unmapped[:5]}")
@@ -223,7 +243,7 @@ def export_hf_weights(
     TP shards are all-gathered over `tp_group`: every rank of the group must iterate in step.
     """
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-    for m in mappings(shape):
+    for m in mappings(shape, tp):
         if m.mcore not in params:
             continue
         tensor = params[m.mcore].detach()

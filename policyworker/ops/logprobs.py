@@ -74,7 +74,8 @@ def _grad_logits_many(
 
 
 class _IndexLogprobs(torch.autograd.Function):
-    """lp[n, j] = x[n, target[n, j]] / T - logsumexp(x[n] / T), x vocab-parallel [N, V/tp]."""
+    """lp[n, j] = x[n, target[n, j]] / T - logsumexp(x[n] / T), x vocab-parallel [N, V/tp] whose
+    first column is vocabulary id `vocab_start`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -83,10 +84,10 @@ class _IndexLogprobs(torch.autograd.Function):
         target: torch.Tensor,
         inv_t: float,
         tp_group: dist.ProcessGroup | None,
-        tp_rank: int,
+        vocab_start: int,
     ) -> torch.Tensor:
         part = x.shape[-1]
-        local = target - tp_rank * part
+        local = target - vocab_start
         inside = (local >= 0) & (local < part)
         local = local.clamp(0, part - 1)
         row_max, picked = _max_and_picked(x, local, inside, inv_t)
@@ -110,6 +111,18 @@ class _IndexLogprobs(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
+def vocab_slice(
+    logits: torch.Tensor, tp_rank: int, vocab_size: int | None
+) -> tuple[torch.Tensor, int]:
+    """(this rank's columns that are real vocabulary, the id of its first column). The output
+    layer has the vocabulary padded to a multiple of TP; padded columns never count."""
+    part = logits.shape[-1]
+    start = tp_rank * part
+    if vocab_size is not None and start + part > vocab_size:
+        logits = logits[..., : vocab_size - start]
+    return logits, start
+
+
 def token_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -117,16 +130,18 @@ def token_logprobs(
     temperature: float,
     tp_group: dist.ProcessGroup | None,
     tp_rank: int,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 logprobs [B, S] of `input_ids` under `logits / temperature` [B, S, V/tp]; differentiable.
 
     Runs over all S positions (the last one's target is a dummy and its value is dropped), so the
     logits need no slicing and their gradient no scatter back into a padded tensor.
     """
-    b, s, part = logits.shape
+    b, s, _ = logits.shape
+    x, start = vocab_slice(logits, tp_rank, vocab_size)
     targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)  # next token
     lp = _IndexLogprobs.apply(
-        logits.reshape(-1, part), targets.reshape(-1, 1), 1.0 / temperature, tp_group, tp_rank
+        x.reshape(b * s, -1), targets.reshape(-1, 1), 1.0 / temperature, tp_group, start
     ).reshape(b, s)
     return torch.cat([lp.new_zeros(b, 1), lp[:, :-1]], dim=1)
 
@@ -138,14 +153,16 @@ def index_logprobs(
     temperature: float,
     tp_group: dist.ProcessGroup | None,
     tp_rank: int,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """fp32 `log softmax(logits / T)` at vocabulary ids `indices` [B, S, k] (global ids), per
     position and unshifted; differentiable. Each TP rank gathers the ids it owns; only the
     log-normalizer and the gathered values cross ranks, never a [B, S, V] tensor."""
-    b, s, part = logits.shape
+    b, s, _ = logits.shape
     k = indices.shape[-1]
+    x, start = vocab_slice(logits, tp_rank, vocab_size)
     return _IndexLogprobs.apply(
-        logits.reshape(-1, part), indices.reshape(-1, k), 1.0 / temperature, tp_group, tp_rank
+        x.reshape(b * s, -1), indices.reshape(-1, k), 1.0 / temperature, tp_group, start
     ).reshape(b, s, k)
 
 
@@ -194,11 +211,17 @@ class _Entropy(torch.autograd.Function):
 
 
 def vocab_parallel_entropy(
-    logits: torch.Tensor, *, temperature: float, tp_group: dist.ProcessGroup | None
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+    tp_rank: int = 0,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Entropy [B, S] of softmax(logits / temperature) at every position; differentiable."""
-    b, s, part = logits.shape
-    return _Entropy.apply(logits.reshape(-1, part), 1.0 / temperature, tp_group).reshape(b, s)
+    b, s, _ = logits.shape
+    x, _ = vocab_slice(logits, tp_rank, vocab_size)
+    return _Entropy.apply(x.reshape(b * s, -1), 1.0 / temperature, tp_group).reshape(b, s)
 
 
 def topk_logits(
@@ -208,16 +231,23 @@ def topk_logits(
     temperature: float,
     tp_group: dist.ProcessGroup | None,
     tp_rank: int,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global top-k `(values, indices)` [B, S, k] of `logits / temperature` over the full vocabulary.
 
     Each rank takes its local top-k, the candidates are all-gathered, and the top-k of those wins.
     Position i holds the distribution for token i+1 (the logits at i), unshifted.
     """
-    part = logits.shape[-1]
-    local_k = min(k, part)
-    vals, idx = (logits.float() / temperature).topk(local_k, dim=-1)
-    idx = idx + tp_rank * part  # global vocabulary ids
+    x, start = vocab_slice(logits, tp_rank, vocab_size)
+    # Every rank offers the same number of candidates (all_gather wants equal shapes); a rank
+    # with fewer real columns than that offers -inf for the rest.
+    local_k = min(k, logits.shape[-1])
+    vals, idx = (x.float() / temperature).topk(min(local_k, x.shape[-1]), dim=-1)
+    if vals.shape[-1] < local_k:
+        missing = local_k - vals.shape[-1]
+        vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], missing), float("-inf"))], -1)
+        idx = torch.cat([idx, idx.new_zeros((*idx.shape[:-1], missing))], -1)
+    idx = idx + start  # global vocabulary ids
     world = 1 if tp_group is None else dist.get_world_size(tp_group)
     if world > 1:
         all_vals = [torch.empty_like(vals) for _ in range(world)]

@@ -48,7 +48,8 @@ class ParallelDims:
 def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
     """Refuse a layout this model cannot be split into, naming the config field.
 
-    TP splits the heads, query groups, ffn and vocabulary (no vocab padding yet); PP the layers.
+    TP splits the heads, query groups and ffn (the vocabulary is padded to a multiple of TP);
+    PP the layers.
     """
     field = "parallel.{}_size".format
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -63,7 +64,6 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
         "intermediate_size": shape.ffn_hidden_size,
-        "vocab_size": shape.vocab_size,
     }
     for name, size in tp_split.items():
         if size % tp:

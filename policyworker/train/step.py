@@ -71,21 +71,32 @@ def run_microbatches(
 
 
 def loss_inputs(
-    logits: torch.Tensor, mb: Microbatch, needs: LossNeeds, *, temperature: float, groups: Groups
+    logits: torch.Tensor,
+    mb: Microbatch,
+    needs: LossNeeds,
+    *,
+    temperature: float,
+    groups: Groups,
+    vocab_size: int,
 ) -> LossInputs:
-    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`."""
-    tp = {"temperature": temperature, "tp_group": groups.tp}
+    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`.
+    `vocab_size` is the true vocabulary: columns past it (TP padding) never count."""
+    tp = {
+        "temperature": temperature,
+        "tp_group": groups.tp,
+        "tp_rank": groups.tp_rank,
+        "vocab_size": vocab_size,
+    }
     logprobs = entropy = at_ids = None
     if needs.logprobs:
-        lp = token_logprobs(logits, mb.pack(mb.data["input_ids"]), **tp, tp_rank=groups.tp_rank)
+        lp = token_logprobs(logits, mb.pack(mb.data["input_ids"]), **tp)
         lp = mb.unpack(lp)
         # Packed, a row's position 0 read the previous row's last logits: 0 by definition.
         logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
     if needs.entropy:
         entropy = mb.unpack(vocab_parallel_entropy(logits, **tp))
     if needs.index_key is not None:
-        ids = mb.pack(mb.data[needs.index_key])
-        at_ids = mb.unpack(index_logprobs(logits, ids, **tp, tp_rank=groups.tp_rank))
+        at_ids = mb.unpack(index_logprobs(logits, mb.pack(mb.data[needs.index_key]), **tp))
     return LossInputs(logprobs=logprobs, entropy=entropy, index_logprobs=at_ids)
 
 
@@ -126,12 +137,20 @@ def make_loss_fn(
     *,
     temperature: float,
     groups: Groups,
+    vocab_size: int,
     counts: dict[str, torch.Tensor],
 ) -> MicrobatchFn:
     """Logits -> what the loss asked for (`loss_fn.needs`) -> the loss, for one micro-batch."""
 
     def fn(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inputs = loss_inputs(logits, mb, loss_fn.needs, temperature=temperature, groups=groups)
+        inputs = loss_inputs(
+            logits,
+            mb,
+            loss_fn.needs,
+            temperature=temperature,
+            groups=groups,
+            vocab_size=vocab_size,
+        )
         return loss_fn(inputs, mb.data, counts)
 
     return fn
@@ -174,6 +193,7 @@ def train_global_batch(
     plan: MicrobatchPlan,
     micro_batch_size: int,
     temperature: float,
+    vocab_size: int,
     max_grad_norm: float,
     groups: Groups,
     eval_mode: bool,
@@ -181,7 +201,9 @@ def train_global_batch(
     """Forward/backward one (DP-local) global batch, then clip, step and schedule unless eval."""
     device = batch["input_ids"].device
     counts = global_counts(loss_fn, batch, groups.dp)
-    fn = make_loss_fn(loss_fn, temperature=temperature, groups=groups, counts=counts)
+    fn = make_loss_fn(
+        loss_fn, temperature=temperature, groups=groups, vocab_size=vocab_size, counts=counts
+    )
     microbatches = split_for_training(
         batch, plan, micro_batch_size, loss_fn.rows_per_example, groups
     )
