@@ -89,13 +89,16 @@ class ParallelConfig:
     """Context parallel (CP) size."""
     expert_model_parallel_size: int = 1
     """Expert parallel (EP) size (MoE models)."""
+    sequence_parallel: bool = False
+    """Split norms, residuals and dropout along the sequence over the TP group (needs TP > 1);
+    micro-batch lengths are padded to a multiple of TP."""
 
     def validate(self, prefix: str = "parallel") -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            _check(
-                isinstance(value, int) and value >= 1, f"{prefix}.{f.name}", "an int >= 1", value
-            )
+            if f.name.endswith("_size"):
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                _check(ok, f"{prefix}.{f.name}", "an int >= 1", value)
 
 
 def _check_budget(value: int | None, name: str) -> None:
@@ -121,8 +124,8 @@ class SequencePackingConfig:
     """Token budget of one logprob/top-k micro-batch; default
     logprob_batch_size * max_total_sequence_length."""
     make_sequence_length_divisible_by: int | None = None
-    """Each packed sequence is padded to a multiple of this; default 2*CP with context
-    parallelism, else 1."""
+    """Each packed sequence is padded to a multiple of this; default the least common multiple
+    of 2*CP (with context parallelism) and TP (with sequence parallelism), else 1."""
 
     def validate(self, prefix: str = "sequence_packing") -> None:
         _check_budget(self.train_mb_tokens, f"{prefix}.train_mb_tokens")

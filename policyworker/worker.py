@@ -103,9 +103,10 @@ class MegatronPolicyWorker:
             pp=p.pipeline_model_parallel_size,
             cp=p.context_parallel_size,
             ep=p.expert_model_parallel_size,
+            sp=p.sequence_parallel,
         )
         init_model_parallel(self.dims)
-        self.plan = build_plan(config, cp=self.dims.cp, pp=self.dims.pp)
+        self.plan = build_plan(config, self.dims)
         self.groups = Groups.current()
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)

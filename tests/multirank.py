@@ -1,6 +1,6 @@
 """One parallel layout's results, for `test_parallel.py`: run under torchrun, rank 0 saves them.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt]
+    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt] [sp]
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them).
@@ -75,7 +75,7 @@ OTHER_LOSSES = (
 
 
 def config(
-    model: str, *, tp: int, pp: int, pack: bool = False, distopt: bool = False
+    model: str, *, tp: int, pp: int, pack: bool = False, distopt: bool = False, sp: bool = False
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -88,7 +88,9 @@ def config(
         logprob_batch_size=2,
         max_total_sequence_length=32,
         optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=distopt),
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
+        ),
         sequence_packing=packing,
     )
 
@@ -101,7 +103,14 @@ def main() -> None:
     model, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     flags = sys.argv[5:]
     worker = MegatronPolicyWorker(
-        config(model, tp=tp, pp=pp, pack="pack" in flags, distopt="distopt" in flags)
+        config(
+            model,
+            tp=tp,
+            pp=pp,
+            pack="pack" in flags,
+            distopt="distopt" in flags,
+            sp="sp" in flags,
+        )
     )
     data = fixed_batch(worker.shape.vocab_size)
     shard = data.shard_by_batch_size(worker.dims.dp)[worker.groups.dp_rank]

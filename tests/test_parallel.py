@@ -24,6 +24,8 @@ LAYOUTS = {
     "pp2-packed": (1, 2, ("pack",)),
     "dp2-packed-unequal-shards": (1, 1, ("pack",)),
     "dp2-distributed-optimizer": (1, 1, ("distopt",)),
+    "tp2-sequence-parallel": (2, 1, ("sp",)),
+    "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
 }
 
 

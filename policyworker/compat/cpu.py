@@ -40,6 +40,7 @@ _PROXIED_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.random",
     "megatron.core.tensor_parallel.cross_entropy",
+    "megatron.core.tensor_parallel.mappings",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.distributed.distributed_data_parallel",

@@ -15,6 +15,7 @@ order; its `data` is always the padded `[n, S]` rows, which is what the losses r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,19 +25,25 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.packing import PACKERS, PackedLayout, round_up, sorted_cuts
+from policyworker.parallel.dims import ParallelDims
 
 
-def trim_to_longest(mb: BatchedDataDict) -> BatchedDataDict:
-    """Drop the all-padding tail of a micro-batch (per-token fields [B, S, ...] are cut)."""
+def trim_to_longest(mb: BatchedDataDict, multiple: int = 1) -> BatchedDataDict:
+    """Per-token fields [B, S, ...] cut (or zero-padded) to the longest row rounded up to
+    `multiple` (sequence parallelism needs lengths that TP divides)."""
     seq = mb["input_ids"].shape[1]
-    longest = int(mb["input_lengths"].max())
-    if longest == seq:
+    width = round_up(int(mb["input_lengths"].max()), multiple)
+    if width == seq:
         return mb
+
+    def fit(v: torch.Tensor) -> torch.Tensor:
+        if width < seq:
+            return v[:, :width]
+        return torch.cat([v, v.new_zeros(v.shape[0], width - seq, *v.shape[2:])], dim=1)
+
     return BatchedDataDict(
         {
-            k: v[:, :longest]
-            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq
-            else v
+            k: fit(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
             for k, v in mb.items()
         }
     )
@@ -88,6 +95,9 @@ class Microbatch:
 class FixedSize:
     """`mbs` consecutive rows per micro-batch."""
 
+    multiple: int = 1
+    """Pad each micro-batch's length to a multiple of this (TP under sequence parallelism)."""
+
     def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
         """Nothing to check: any row fits."""
 
@@ -95,12 +105,12 @@ class FixedSize:
         self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
     ) -> list[Microbatch]:
         return [
-            _rows(batch, list(range(start, min(start + mbs, batch.size))))
+            _rows(batch, list(range(start, min(start + mbs, batch.size))), multiple=self.multiple)
             for start in range(0, batch.size, mbs)
         ]
 
     def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
-        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example))
+        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example, self.multiple))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,8 @@ class TokenBudget:
 
     train_tokens: int
     logprob_tokens: int
+    multiple: int = 1
+    """Pad each micro-batch's length to a multiple of this (TP under sequence parallelism)."""
     field: str = "dynamic_batching"
 
     def _budget(self, train: bool) -> tuple[int, str]:
@@ -132,10 +144,10 @@ class TokenBudget:
         # A unit of r rows costs r * its longest row per unit of its bin's longest row.
         longest = [max(u) for u in units]
         bins = sorted_cuts(longest, budget // rows_per_example)
-        return [_rows(batch, _expand(b, rows_per_example)) for b in bins]
+        return [_rows(batch, _expand(b, rows_per_example), multiple=self.multiple) for b in bins]
 
     def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
-        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example))
+        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example, self.multiple))
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,41 +224,50 @@ def _expand(units: list[int], rows_per_example: int) -> list[int]:
 
 
 def _rows(
-    batch: BatchedDataDict, rows: list[int], layout: PackedLayout | None = None
+    batch: BatchedDataDict,
+    rows: list[int],
+    layout: PackedLayout | None = None,
+    multiple: int = 1,
 ) -> Microbatch:
-    return Microbatch(rows=rows, data=trim_to_longest(batch.select_indices(rows)), layout=layout)
+    data = trim_to_longest(batch.select_indices(rows), multiple)
+    return Microbatch(rows=rows, data=data, layout=layout)
 
 
-def _filler_rows(batch: BatchedDataDict, rows_per_example: int) -> BatchedDataDict:
+def _filler_rows(
+    batch: BatchedDataDict, rows_per_example: int, multiple: int = 1
+) -> BatchedDataDict:
     """Rows that add no loss, no tokens and no gradient: the first rows of the batch cut to two
     tokens, with zero masks. Fillers let every data-parallel rank run as many micro-batches."""
     data = batch.select_indices(list(range(rows_per_example)))
     width = min(_FILLER_LENGTH, data["input_ids"].shape[1])
     data["input_lengths"] = torch.full_like(data["input_lengths"], width)
-    data = trim_to_longest(data)
+    data = trim_to_longest(data, multiple)
     for key in ("token_mask", "sample_mask"):
         if key in data:
             data[key] = torch.zeros_like(data[key])
     return data
 
 
-def build_plan(cfg: PolicyConfig, *, cp: int, pp: int) -> MicrobatchPlan:
+def build_plan(cfg: PolicyConfig, dims: ParallelDims) -> MicrobatchPlan:
     """The micro-batching variant the config asks for (budgets default to the row-count sizes
     times the longest allowed sequence)."""
     train_default = cfg.train_micro_batch_size * cfg.max_total_sequence_length
     logprob_default = cfg.logprob_batch_size * cfg.max_total_sequence_length
+    multiple = dims.sequence_multiple
     sp, db = cfg.sequence_packing, cfg.dynamic_batching
     if sp.enabled:
         return Packed(
             algorithm=sp.algorithm,
             train_tokens=sp.train_mb_tokens or train_default,
             logprob_tokens=sp.logprob_mb_tokens or logprob_default,
-            divisible_by=sp.make_sequence_length_divisible_by or (2 * cp if cp > 1 else 1),
-            uniform=pp > 1,
+            divisible_by=sp.make_sequence_length_divisible_by
+            or math.lcm(2 * dims.cp if dims.cp > 1 else 1, multiple),
+            uniform=dims.pp > 1,
         )
     if db.enabled:
         return TokenBudget(
             train_tokens=db.train_mb_tokens or train_default,
             logprob_tokens=db.logprob_mb_tokens or logprob_default,
+            multiple=multiple,
         )
-    return FixedSize()
+    return FixedSize(multiple=multiple)

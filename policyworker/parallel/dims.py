@@ -30,19 +30,29 @@ class ParallelDims:
     cp: int = 1
     ep: int = 1
     dp: int = 1
+    sp: bool = False
+    """Sequence parallelism: activations outside attention and MLP split along the sequence over
+    the TP group (needs tp > 1)."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
 
     @classmethod
-    def from_world(cls, *, world_size: int, tp: int, pp: int, cp: int, ep: int) -> ParallelDims:
+    def from_world(
+        cls, *, world_size: int, tp: int, pp: int, cp: int, ep: int, sp: bool = False
+    ) -> ParallelDims:
         model_parallel = tp * pp * cp
         if world_size % model_parallel:
             raise ValueError(
                 f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}"
             )
-        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel)
+        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel, sp=sp)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What every micro-batch's sequence length must be a multiple of (TP with SP)."""
+        return self.tp if self.sp else 1
 
 
 def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
@@ -60,6 +70,8 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
         )
     if ep != 1:
         raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
+    if parallel.sequence_parallel and tp == 1:
+        raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
     tp_split = {
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
@@ -123,6 +135,7 @@ def init_model_parallel(dims: ParallelDims) -> None:
             cp=parallel_state.get_context_parallel_world_size(),
             ep=parallel_state.get_expert_model_parallel_world_size(),
             dp=parallel_state.get_data_parallel_world_size(),
+            sp=dims.sp,  # a mode of the TP group, not a process group of its own
         )
         if current != dims:
             raise ValueError(f"megatron is already initialized with {current}, asked for {dims}")
