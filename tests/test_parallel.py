@@ -72,6 +72,14 @@ def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
             assert rank_metrics[-1]["optimizer_state_bytes"] <= 0.6 * whole
 
 
+def test_tp2_by_pp2_on_four_ranks(tied_dir, single, tmp_path):
+    """The 4-rank composition: two pipeline stages, each split over two tensor-parallel ranks,
+    with sequence parallelism and packing."""
+    got = run_layout(tied_dir, tmp_path / "out.pt", 2, 2, ("sp", "pack"), nproc=4)
+    assert (got["dims"].tp, got["dims"].pp, got["dims"].dp, got["dims"].sp) == (2, 2, 1, True)
+    _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=2)
+
+
 def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):
     """127 tokens over 3 ranks: the vocabulary is padded to 129; the padded columns never count
     and the export carries the true 127 rows."""
