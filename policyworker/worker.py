@@ -106,8 +106,8 @@ class MegatronPolicyWorker:
             sp=p.sequence_parallel,
         )
         init_model_parallel(self.dims)
-        self.plan = build_plan(config, self.dims)
         self.groups = Groups.current()
+        self.plan = build_plan(config, self.dims, self.groups)
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
         self.device = (
@@ -206,11 +206,10 @@ class MegatronPolicyWorker:
                 temperature=self.cfg.temperature,
                 tp_group=self.groups.tp,
                 tp_rank=self.groups.tp_rank,
+                vocab_size=self.shape.vocab_size,
             )
-            return vals.new_zeros(()), {
-                "topk_logits": mb.unpack(vals),
-                "topk_indices": mb.unpack(idx),
-            }
+            vals, idx = mb.unpack(mb.gather(vals)), mb.unpack(mb.gather(idx))
+            return vals.new_zeros(()), {"topk_logits": vals, "topk_indices": idx}
 
         vals, idx = self._forward_collect(
             data,
@@ -303,7 +302,9 @@ class MegatronPolicyWorker:
             hf_config=self.hf_config,
             tensors=self.export_hf_weights(),
             tokenizer=self.tokenizer,
-            writer=self.groups.tp_rank == 0 and self.groups.dp_rank == 0,
+            writer=self.groups.tp_rank == 0
+            and self.groups.dp_rank == 0
+            and self.groups.cp_rank == 0,
             part=self.groups.pp_rank,
         )
 

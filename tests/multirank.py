@@ -1,6 +1,6 @@
 """One parallel layout's results, for `test_parallel.py`: run under torchrun, rank 0 saves them.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt] [sp]
+    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt] [sp] [cp]
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them).
@@ -38,7 +38,7 @@ BATCH, SEQ, TOPK = 8, 14, 5
 # Under DP2 the first shard is long and the second short: packed, they need different numbers of
 # bins, and the short rank runs fillers so that both run as many micro-batches.
 LENGTHS = [14, 13, 14, 12, 3, 4, 2, 5]
-PACK_TOKENS = 28
+PACK_TOKENS = 32
 
 
 def layout_results(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, object]:
@@ -75,7 +75,14 @@ OTHER_LOSSES = (
 
 
 def config(
-    model: str, *, tp: int, pp: int, pack: bool = False, distopt: bool = False, sp: bool = False
+    model: str,
+    *,
+    tp: int,
+    pp: int,
+    pack: bool = False,
+    distopt: bool = False,
+    sp: bool = False,
+    cp: int = 1,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -89,7 +96,10 @@ def config(
         max_total_sequence_length=32,
         optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=distopt),
         parallel=ParallelConfig(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            sequence_parallel=sp,
         ),
         sequence_packing=packing,
     )
@@ -110,6 +120,7 @@ def main() -> None:
             pack="pack" in flags,
             distopt="distopt" in flags,
             sp="sp" in flags,
+            cp=2 if "cp" in flags else 1,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

@@ -161,7 +161,7 @@ def test_bad_config_values(kwargs, field):
     [
         ({"tensor_model_parallel_size": 3}, "tensor_model_parallel_size.*num_attention_heads=4"),
         ({"pipeline_model_parallel_size": 3}, "pipeline_model_parallel_size.*num_layers=2"),
-        ({"context_parallel_size": 2}, "context_parallel_size"),
+        ({"context_parallel_size": 2}, r"tp\*pp\*cp = 1\*1\*2"),
         ({"expert_model_parallel_size": 2}, "expert_model_parallel_size"),
         ({"pipeline_model_parallel_size": 2}, "world size 1"),  # splits the model, not the world
     ],

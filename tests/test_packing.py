@@ -268,3 +268,41 @@ def test_fillers_add_no_loss_and_no_gradient(llama_dir, packed):
     for key in ("loss", "grad_norm", "global_valid_toks", "probs_ratio_min"):
         assert m1[key] == pytest.approx(m0[key], rel=1e-6), key
     assert all(torch.equal(p0[n], p1[n]) for n in p0)
+
+
+def test_context_parallel_needs_sequences_that_2cp_divides():
+    """A packing divisor that 2*CP does not divide is refused, naming the field."""
+    from types import SimpleNamespace
+
+    from policyworker.config import PolicyConfig
+    from policyworker.data.microbatch import build_plan
+    from policyworker.parallel.dims import ParallelDims
+
+    dims = ParallelDims(cp=2, dp=1)
+    groups = SimpleNamespace(cp_rank=0, cp=None)
+    bad = SequencePackingConfig(enabled=True, make_sequence_length_divisible_by=6)
+    with pytest.raises(
+        ValueError, match=r"make_sequence_length_divisible_by: expected a multiple of 4"
+    ):
+        build_plan(PolicyConfig(model_name="/m", sequence_packing=bad), dims, groups)
+    plan = build_plan(PolicyConfig(model_name="/m"), dims, groups)
+    assert plan.cp_divisor == 4  # unpacked rows still run as sequences split in 2 * CP chunks
+    packed = build_plan(
+        PolicyConfig(model_name="/m", sequence_packing=SequencePackingConfig(enabled=True)),
+        dims,
+        groups,
+    )
+    assert packed.divisible_by == 4
+
+
+def test_context_parallel_chunks_are_balanced():
+    from policyworker.parallel.context import gathered_order, local_positions
+
+    # one sequence of 8 over CP2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert local_positions([8], 0, 2).tolist() == [0, 1, 6, 7]
+    assert local_positions([8], 1, 2).tolist() == [2, 3, 4, 5]
+    # two sequences (4 and 8 tokens): each split on its own
+    assert local_positions([4, 8], 0, 2).tolist() == [0, 3, 4, 5, 10, 11]
+    everyone = torch.cat([local_positions([4, 8], r, 2) for r in range(2)])
+    order = gathered_order([4, 8], 2)
+    assert torch.equal(everyone[order], torch.arange(12))

@@ -26,6 +26,8 @@ LAYOUTS = {
     "dp2-distributed-optimizer": (1, 1, ("distopt",)),
     "tp2-sequence-parallel": (2, 1, ("sp",)),
     "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
+    "cp2": (1, 1, ("cp",)),
+    "cp2-packed": (1, 1, ("cp", "pack")),
 }
 
 
@@ -64,7 +66,9 @@ def run_layout(
 def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
     tp, pp, flags = LAYOUTS[layout]
     got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp, flags)
-    assert (got["dims"].tp, got["dims"].pp, got["dims"].dp) == (tp, pp, 2 // (tp * pp))
+    cp = 2 if "cp" in flags else 1
+    assert (got["dims"].tp, got["dims"].pp, got["dims"].cp) == (tp, pp, cp)
+    assert got["dims"].dp == 2 // (tp * pp * cp)
     _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=pp)
     if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks
         whole = single["train"][-1]["optimizer_state_bytes"]
@@ -78,6 +82,13 @@ def test_tp2_by_pp2_on_four_ranks(tied_dir, single, tmp_path):
     got = run_layout(tied_dir, tmp_path / "out.pt", 2, 2, ("sp", "pack"), nproc=4)
     assert (got["dims"].tp, got["dims"].pp, got["dims"].dp, got["dims"].sp) == (2, 2, 1, True)
     _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=2)
+
+
+def test_cp2_by_tp2_on_four_ranks(tied_dir, single, tmp_path):
+    """Context parallelism composed with tensor parallelism, packed."""
+    got = run_layout(tied_dir, tmp_path / "out.pt", 2, 1, ("cp", "pack"), nproc=4)
+    assert (got["dims"].tp, got["dims"].cp, got["dims"].dp) == (2, 2, 1)
+    _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=1)
 
 
 def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):

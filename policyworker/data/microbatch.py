@@ -25,7 +25,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.packing import PACKERS, PackedLayout, round_up, sorted_cuts
-from policyworker.parallel.dims import ParallelDims
+from policyworker.parallel.context import ContextGroup, ContextSplit
+from policyworker.parallel.dims import Groups, ParallelDims
 
 
 def trim_to_longest(mb: BatchedDataDict, multiple: int = 1) -> BatchedDataDict:
@@ -59,6 +60,8 @@ class Microbatch:
     """Those rows, trimmed to their longest: what the loss reads."""
     layout: PackedLayout | None = None
     """The packed layout of the rows, or None when they run padded."""
+    context: ContextSplit | None = None
+    """With context parallelism: this rank's share of the packed layout."""
 
     @property
     def size(self) -> int:
@@ -66,10 +69,10 @@ class Microbatch:
 
     @property
     def model_shape(self) -> tuple[int, int]:
-        """(batch, sequence) of the model's input: (n, S) padded, (1, T) packed."""
+        """(batch, sequence) of the model's input: (n, S) padded, (1, T) packed, (1, T/CP)."""
         if self.layout is None:
             return tuple(self.data["input_ids"].shape)  # type: ignore[return-value]
-        return 1, self.layout.total
+        return 1, self.layout.total // (self.context.size if self.context else 1)
 
     def model_inputs(
         self, device: torch.device
@@ -78,11 +81,24 @@ class Microbatch:
         ids = self.data["input_ids"]
         if self.layout is None:
             return ids, torch.arange(ids.shape[1], device=device).expand_as(ids), None
-        return self.pack(ids), self.layout.positions(device), self.layout.seq_params(device)
+        params = self.layout.seq_params(device)
+        if self.context is not None:
+            params = self.context.seq_params(params, device)
+        return self.to_local(self.pack(ids)), self.to_local(self.layout.positions(device)), params
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
-        """Per-row values [n, S, ...] in the model's layout."""
+        """Per-row values [n, S, ...] in the model's layout (the whole sequence)."""
         return rows if self.layout is None else self.layout.pack(rows)
+
+    def to_local(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values [b, T, ...] of the whole sequence -> this CP rank's tokens."""
+        if self.context is None:
+            return values
+        return values[:, self.context.local(values.device)]
+
+    def gather(self, values: torch.Tensor) -> torch.Tensor:
+        """This CP rank's per-token outputs [b, T/CP, ...] -> the whole sequence's [b, T, ...]."""
+        return values if self.context is None else self.context.gather_outputs(values, dim=1)
 
     def unpack(self, values: torch.Tensor) -> torch.Tensor:
         """Per-position model outputs back to [n, S, ...] rows (zeros past each length)."""
@@ -97,6 +113,10 @@ class FixedSize:
 
     multiple: int = 1
     """Pad each micro-batch's length to a multiple of this (TP under sequence parallelism)."""
+    context: ContextGroup | None = None
+    """With context parallelism the rows run packed (one sequence each), split over CP."""
+    cp_divisor: int = 1
+    """Under CP, each row is padded to a multiple of this (2 * CP, and TP * CP with SP)."""
 
     def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
         """Nothing to check: any row fits."""
@@ -105,12 +125,17 @@ class FixedSize:
         self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
     ) -> list[Microbatch]:
         return [
-            _rows(batch, list(range(start, min(start + mbs, batch.size))), multiple=self.multiple)
+            self._finish(list(range(start, min(start + mbs, batch.size))), batch)
             for start in range(0, batch.size, mbs)
         ]
 
+    def _finish(self, rows: list[int], batch: BatchedDataDict) -> Microbatch:
+        data = trim_to_longest(batch.select_indices(rows), self.multiple)
+        return _with_context(rows, data, None, self.context, self.cp_divisor)
+
     def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
-        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example, self.multiple))
+        data = _filler_rows(batch, rows_per_example, self.multiple)
+        return _with_context([], data, None, self.context, self.cp_divisor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +146,10 @@ class TokenBudget:
     logprob_tokens: int
     multiple: int = 1
     """Pad each micro-batch's length to a multiple of this (TP under sequence parallelism)."""
+    context: ContextGroup | None = None
+    """With context parallelism the rows run packed (one sequence each), split over CP."""
+    cp_divisor: int = 1
+    """Under CP, each row is padded to a multiple of this."""
     field: str = "dynamic_batching"
 
     def _budget(self, train: bool) -> tuple[int, str]:
@@ -144,10 +173,15 @@ class TokenBudget:
         # A unit of r rows costs r * its longest row per unit of its bin's longest row.
         longest = [max(u) for u in units]
         bins = sorted_cuts(longest, budget // rows_per_example)
-        return [_rows(batch, _expand(b, rows_per_example), multiple=self.multiple) for b in bins]
+        return [self._finish(_expand(b, rows_per_example), batch) for b in bins]
+
+    def _finish(self, rows: list[int], batch: BatchedDataDict) -> Microbatch:
+        data = trim_to_longest(batch.select_indices(rows), self.multiple)
+        return _with_context(rows, data, None, self.context, self.cp_divisor)
 
     def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
-        return Microbatch(rows=[], data=_filler_rows(batch, rows_per_example, self.multiple))
+        data = _filler_rows(batch, rows_per_example, self.multiple)
+        return _with_context([], data, None, self.context, self.cp_divisor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +194,8 @@ class Packed:
     divisible_by: int
     uniform: bool = False
     """Pad every bin of a call to the same length (pipeline parallelism wants one shape)."""
+    context: ContextGroup | None = None
+    """With context parallelism: every bin split over the CP group."""
     field: str = "sequence_packing"
 
     def _budget(self, train: bool) -> tuple[int, str]:
@@ -196,7 +232,14 @@ class Packed:
         if self.uniform:
             total = max(sum(round_up(lengths[r], self.divisible_by) for r in b) for b in row_bins)
         return [
-            _rows(batch, b, layout=self._layout([lengths[r] for r in b], total)) for b in row_bins
+            _with_context(
+                b,
+                trim_to_longest(batch.select_indices(b)),
+                self._layout([lengths[r] for r in b], total),
+                self.context,
+                self.divisible_by,
+            )
+            for b in row_bins
         ]
 
     def _layout(self, lengths: list[int], total: int | None) -> PackedLayout:
@@ -206,7 +249,7 @@ class Packed:
         data = _filler_rows(batch, rows_per_example)
         total = like.layout.total if self.uniform and like.layout is not None else None
         layout = self._layout(data["input_lengths"].tolist(), total)
-        return Microbatch(rows=[], data=data, layout=layout)
+        return _with_context([], data, layout, self.context, self.divisible_by)
 
 
 MicrobatchPlan = FixedSize | TokenBudget | Packed
@@ -223,14 +266,20 @@ def _expand(units: list[int], rows_per_example: int) -> list[int]:
     return [u * rows_per_example + k for u in units for k in range(rows_per_example)]
 
 
-def _rows(
-    batch: BatchedDataDict,
+def _with_context(
     rows: list[int],
-    layout: PackedLayout | None = None,
-    multiple: int = 1,
+    data: BatchedDataDict,
+    layout: PackedLayout | None,
+    context: ContextGroup | None,
+    divisor: int,
 ) -> Microbatch:
-    data = trim_to_longest(batch.select_indices(rows), multiple)
-    return Microbatch(rows=rows, data=data, layout=layout)
+    """The micro-batch; under context parallelism always packed (a row per sequence if the plan
+    did not pack) and split over the CP group."""
+    if context is None:
+        return Microbatch(rows=rows, data=data, layout=layout)
+    if layout is None:
+        layout = PackedLayout.of(data["input_lengths"].tolist(), divisible_by=divisor)
+    return Microbatch(rows=rows, data=data, layout=layout, context=context.split(layout.padded))
 
 
 def _filler_rows(
@@ -248,26 +297,41 @@ def _filler_rows(
     return data
 
 
-def build_plan(cfg: PolicyConfig, dims: ParallelDims) -> MicrobatchPlan:
+def build_plan(cfg: PolicyConfig, dims: ParallelDims, groups: Groups) -> MicrobatchPlan:
     """The micro-batching variant the config asks for (budgets default to the row-count sizes
     times the longest allowed sequence)."""
     train_default = cfg.train_micro_batch_size * cfg.max_total_sequence_length
     logprob_default = cfg.logprob_batch_size * cfg.max_total_sequence_length
     multiple = dims.sequence_multiple
+    context = None
+    cp_divisor = 1
+    if dims.cp > 1:
+        context = ContextGroup(rank=groups.cp_rank, size=dims.cp, group=groups.cp)
+        # every rank gets whole chunks; with SP its T / CP tokens must split over TP too
+        cp_divisor = math.lcm(2 * dims.cp, dims.cp * multiple)
     sp, db = cfg.sequence_packing, cfg.dynamic_batching
     if sp.enabled:
+        divisor = sp.make_sequence_length_divisible_by or math.lcm(cp_divisor, multiple)
+        if divisor % cp_divisor or divisor % multiple:
+            raise ValueError(
+                "sequence_packing.make_sequence_length_divisible_by: expected a multiple of "
+                f"{math.lcm(cp_divisor, multiple)} (2*CP, TP with sequence parallelism), got "
+                f"{divisor}"
+            )
         return Packed(
             algorithm=sp.algorithm,
             train_tokens=sp.train_mb_tokens or train_default,
             logprob_tokens=sp.logprob_mb_tokens or logprob_default,
-            divisible_by=sp.make_sequence_length_divisible_by
-            or math.lcm(2 * dims.cp if dims.cp > 1 else 1, multiple),
+            divisible_by=divisor,
             uniform=dims.pp > 1,
+            context=context,
         )
     if db.enabled:
         return TokenBudget(
             train_tokens=db.train_mb_tokens or train_default,
             logprob_tokens=db.logprob_mb_tokens or logprob_default,
             multiple=multiple,
+            context=context,
+            cp_divisor=cp_divisor,
         )
-    return FixedSize(multiple=multiple)
+    return FixedSize(multiple=multiple, context=context, cp_divisor=cp_divisor)

@@ -26,6 +26,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from policyworker.parallel.context import ContextSplit
+
 
 class SDPACoreAttention(MegatronModule):
     """Drop-in for megatron's `DotProductAttention` (same constructor and forward signature)."""
@@ -42,8 +44,6 @@ class SDPACoreAttention(MegatronModule):
         pg_collection: object | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPACoreAttention: context parallelism is a later issue")
         head_dim = config.kv_channels
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -71,6 +71,10 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            split = ContextSplit.of(packed_seq_params)
+            if split is not None:
+                out = self._context_parallel(query, key, value, split)
+                return out.reshape(out.shape[0], -1)
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
@@ -93,6 +97,48 @@ class SDPACoreAttention(MegatronModule):
         )
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _context_parallel(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, split: ContextSplit
+    ) -> torch.Tensor:
+        """This rank's queries [t, np, hn] against every rank's keys and values.
+
+        RoPE uses each local token's position in its whole sequence; keys and values are
+        all-gathered into sequence order; each of the rank's two chunks of a sequence attends to
+        the sequence's keys up to the chunk's end, causally (a lower-right-aligned mask)."""
+        padded = list(split.padded)
+        starts = torch.tensor([0, *padded]).cumsum(0).tolist()
+        local = split.local(query.device)
+        positions = (
+            local
+            - torch.repeat_interleave(
+                torch.tensor(starts[:-1], device=query.device),
+                torch.tensor([p // split.size for p in padded], device=query.device),
+            )
+        )[:, None]
+        query, key = self._rope(query, positions), self._rope(key, positions)
+        key, value = split.gather_keys(key), split.gather_keys(value)  # [T, ng, hn]
+        out = torch.empty_like(query)
+        row = 0
+        for start, p in zip(starts[:-1], padded, strict=True):
+            chunk = p // (2 * split.size)
+            for i in (split.rank, 2 * split.size - 1 - split.rank):
+                q = query[row : row + chunk].transpose(0, 1)  # [h, c, d]
+                end = (i + 1) * chunk
+                k, v = (x[start : start + end].transpose(0, 1) for x in (key, value))
+                q_pos = torch.arange(i * chunk, end, device=q.device)
+                mask = torch.arange(end, device=q.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    scale=self.softmax_scale,
+                    enable_gqa=q.shape[0] != k.shape[0],
+                )
+                out[row : row + chunk] = o.transpose(0, 1)
+                row += chunk
+        return out
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x * cos + rotate_half(x) * sin at `positions` (broadcast over x's head dims), with

@@ -63,11 +63,7 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
     """
     field = "parallel.{}_size".format
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    cp, ep = parallel.context_parallel_size, parallel.expert_model_parallel_size
-    if cp != 1:
-        raise ValueError(
-            f"{field('context_parallel')}: expected 1 (CP is not implemented), got {cp}"
-        )
+    ep = parallel.expert_model_parallel_size
     if ep != 1:
         raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
     if parallel.sequence_parallel and tp == 1:
@@ -154,10 +150,14 @@ class Groups:
 
     tp: dist.ProcessGroup
     dp: dist.ProcessGroup
+    """Data parallel without CP: ranks that hold different data."""
+    cp: dist.ProcessGroup
     mp: dist.ProcessGroup
     pp: dist.ProcessGroup
     tp_rank: int
     dp_rank: int
+    cp_rank: int
+    cp_size: int
     pp_rank: int
     pp_size: int
     pp_last_rank: int
@@ -171,11 +171,14 @@ class Groups:
 
         return cls(
             tp=ps.get_tensor_model_parallel_group(),
-            dp=ps.get_data_parallel_group(with_context_parallel=True),
+            dp=ps.get_data_parallel_group(),
+            cp=ps.get_context_parallel_group(),
             mp=ps.get_model_parallel_group(),
             pp=ps.get_pipeline_model_parallel_group(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
-            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            dp_rank=ps.get_data_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+            cp_size=ps.get_context_parallel_world_size(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
             pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),

@@ -21,7 +21,7 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import Loss, LossInputs, LossNeeds
 from policyworker.model.build import batch_major_logits
-from policyworker.ops.logprobs import index_logprobs, token_logprobs, vocab_parallel_entropy
+from policyworker.ops.logprobs import index_logprobs, vocab_parallel_entropy
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
 
@@ -89,14 +89,18 @@ def loss_inputs(
     }
     logprobs = entropy = at_ids = None
     if needs.logprobs:
-        lp = token_logprobs(logits, mb.pack(mb.data["input_ids"]), **tp)
-        lp = mb.unpack(lp)
+        ids = mb.pack(mb.data["input_ids"])  # the whole sequence, [b, T] (or padded [n, S])
+        targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # next tokens
+        # log p(next token) at every position this rank computed, then the whole sequence
+        raw = mb.gather(index_logprobs(logits, mb.to_local(targets)[..., None], **tp)[..., 0])
+        lp = mb.unpack(torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1))
         # Packed, a row's position 0 read the previous row's last logits: 0 by definition.
         logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
     if needs.entropy:
-        entropy = mb.unpack(vocab_parallel_entropy(logits, **tp))
+        entropy = mb.unpack(mb.gather(vocab_parallel_entropy(logits, **tp)))
     if needs.index_key is not None:
-        at_ids = mb.unpack(index_logprobs(logits, mb.pack(mb.data[needs.index_key]), **tp))
+        ids = mb.to_local(mb.pack(mb.data[needs.index_key]))
+        at_ids = mb.unpack(mb.gather(index_logprobs(logits, ids, **tp)))
     return LossInputs(logprobs=logprobs, entropy=entropy, index_logprobs=at_ids)
 
 

@@ -1,0 +1,143 @@
+"""Context parallelism: each sequence split over the CP group, balanced for causal attention.
+
+Every (packed) sequence, padded to a multiple of 2*CP, is cut into 2*CP equal chunks; CP rank r
+keeps chunks r and 2*CP-1-r, so every rank gets the same share of causal-attention work. A rank
+runs the model on its local tokens only; attention all-gathers keys and values over the group
+(their gradients reduce-scattered back), and the per-token outputs the loss needs are all-gathered
+before the loss, which then sees the whole sequence on every CP rank. Each rank's backward then
+keeps only the gradient of its own tokens, so the sum over the CP group (megatron's DP x CP
+gradient reduction) is the full gradient, as without CP.
+
+Index tensors here address a packed stream `[T]` laid out as `PackedLayout` does; `local[r]` lists
+the global positions rank r holds, in its local order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+def local_positions(padded: list[int], rank: int, size: int) -> torch.Tensor:
+    """[T / size] global positions of rank `rank`'s tokens: per sequence, chunks r and 2s-1-r."""
+    out, start = [], 0
+    for p in padded:
+        chunk = p // (2 * size)
+        for i in (rank, 2 * size - 1 - rank):
+            out.append(torch.arange(start + i * chunk, start + (i + 1) * chunk))
+        start += p
+    return torch.cat(out)
+
+
+def gathered_order(padded: list[int], size: int) -> torch.Tensor:
+    """[T]: for each global position, where it sits in the all-gather of every rank's tokens."""
+    everyone = torch.cat([local_positions(padded, r, size) for r in range(size)])
+    order = torch.empty_like(everyone)
+    order[everyone] = torch.arange(everyone.numel())
+    return order
+
+
+@dataclass(frozen=True, slots=True)
+class ContextGroup:
+    """This rank's place in its CP group (size > 1)."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+    def split(self, padded: tuple[int, ...]) -> ContextSplit:
+        if any(p % (2 * self.size) for p in padded):
+            raise ValueError(f"sequence lengths {padded} must be multiples of 2*CP={2 * self.size}")
+        return ContextSplit(rank=self.rank, size=self.size, group=self.group, padded=padded)
+
+
+@dataclass(frozen=True, slots=True)
+class ContextSplit:
+    """This rank's place in the CP group, for one micro-batch's packed layout."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+    padded: tuple[int, ...]
+    """Padded length of each packed sequence (each a multiple of 2 * size)."""
+
+    def local(self, device: torch.device) -> torch.Tensor:
+        return local_positions(list(self.padded), self.rank, self.size).to(device)
+
+    def seq_params(self, whole: PackedSeqParams, device: torch.device) -> PackedSeqParams:
+        """THD metadata for attention: queries are this rank's tokens (`cu_seqlens_q*`, T / CP),
+        keys and values the whole sequences after the all-gather (`cu_seqlens_kv*`, T)."""
+        local = torch.tensor([p // self.size for p in self.padded]).cumsum(0).tolist()
+        cu_q = torch.tensor([0, *local], dtype=torch.int32, device=device)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_q,
+            cu_seqlens_q_padded=cu_q,
+            cu_seqlens_kv=whole.cu_seqlens_kv,
+            cu_seqlens_kv_padded=whole.cu_seqlens_kv_padded,
+            max_seqlen_q=max(self.padded) // self.size,
+            max_seqlen_kv=whole.max_seqlen_kv,
+            cp_group=self.group,
+        )
+
+    @classmethod
+    def of(cls, params: PackedSeqParams) -> ContextSplit | None:
+        """The split a micro-batch's THD metadata describes (None without CP)."""
+        group = params.cp_group
+        if group is None or dist.get_world_size(group) == 1:
+            return None
+        padded = torch.diff(params.cu_seqlens_kv_padded).tolist()
+        return cls(
+            rank=dist.get_rank(group),
+            size=dist.get_world_size(group),
+            group=group,
+            padded=tuple(padded),
+        )
+
+    def gather_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """Local [t, ...] -> global [T, ...] in sequence order; the gradient is reduce-scattered
+        back to the owners (every rank's queries may attend to every rank's keys)."""
+        order = gathered_order(list(self.padded), self.size).to(x.device)
+        return _AllGatherReduceScatter.apply(x, self.group, self.size)[order]
+
+    def gather_outputs(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Per-token outputs, local -> global along `dim`, in sequence order. Every rank then
+        computes the same loss from them, so each keeps only its own tokens' gradient."""
+        order = gathered_order(list(self.padded), self.size).to(x.device)
+        moved = x.movedim(dim, 0)
+        full = _AllGatherKeepOwnGrad.apply(moved.contiguous(), self.group, self.size, self.rank)
+        return full[order].movedim(0, dim)
+
+
+class _AllGatherReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.size = group, size
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        out = grad.new_empty((grad.shape[0] // ctx.size, *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad.contiguous(), group=ctx.group)
+        return out, None, None
+
+
+class _AllGatherKeepOwnGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, size: int, rank: int
+    ) -> torch.Tensor:
+        ctx.rank, ctx.n = rank, x.shape[0]
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n], None, None, None
