@@ -286,7 +286,7 @@ def test_context_parallel_needs_sequences_that_2cp_divides():
     ):
         build_plan(PolicyConfig(model_name="/m", sequence_packing=bad), dims, groups)
     plan = build_plan(PolicyConfig(model_name="/m"), dims, groups)
-    assert plan.cp_divisor == 4  # unpacked rows still run as sequences split in 2 * CP chunks
+    assert plan.shape.cp_divisor == 4  # unpacked rows still run as sequences split in 2*CP chunks
     packed = build_plan(
         PolicyConfig(model_name="/m", sequence_packing=SequencePackingConfig(enabled=True)),
         dims,

@@ -108,15 +108,36 @@ class Microbatch:
 
 
 @dataclass(frozen=True, slots=True)
+class RowShape:
+    """How the unpacked plans hand rows to the model: padded to the longest row (rounded up to a
+    multiple of TP under sequence parallelism), or, under context parallelism, packed one row
+    per sequence and split over CP."""
+
+    multiple: int = 1
+    context: ContextGroup | None = None
+    cp_divisor: int = 1
+    """Under CP, each row is padded to a multiple of this (2 * CP, and TP * CP with SP)."""
+
+    def microbatch(self, rows: list[int], batch: BatchedDataDict) -> Microbatch:
+        data = trim_to_longest(batch.select_indices(rows), self.multiple)
+        return _with_context(rows, data, None, self.context, self.cp_divisor)
+
+    def filler(self, batch: BatchedDataDict, rows_per_example: int) -> Microbatch:
+        data = _filler_rows(batch, rows_per_example, self.multiple)
+        return _with_context([], data, None, self.context, self.cp_divisor)
+
+
+def _budget(train: bool, train_tokens: int, logprob_tokens: int, field: str) -> tuple[int, str]:
+    """(the budget of this kind of call, its dotted config name)."""
+    name = "train_mb_tokens" if train else "logprob_mb_tokens"
+    return (train_tokens if train else logprob_tokens), f"{field}.{name}"
+
+
+@dataclass(frozen=True, slots=True)
 class FixedSize:
     """`mbs` consecutive rows per micro-batch."""
 
-    multiple: int = 1
-    """Pad each micro-batch's length to a multiple of this (TP under sequence parallelism)."""
-    context: ContextGroup | None = None
-    """With context parallelism the rows run packed (one sequence each), split over CP."""
-    cp_divisor: int = 1
-    """Under CP, each row is padded to a multiple of this (2 * CP, and TP * CP with SP)."""
+    shape: RowShape = RowShape()
 
     def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
         """Nothing to check: any row fits."""
@@ -125,17 +146,12 @@ class FixedSize:
         self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
     ) -> list[Microbatch]:
         return [
-            self._finish(list(range(start, min(start + mbs, batch.size))), batch)
+            self.shape.microbatch(list(range(start, min(start + mbs, batch.size))), batch)
             for start in range(0, batch.size, mbs)
         ]
 
-    def _finish(self, rows: list[int], batch: BatchedDataDict) -> Microbatch:
-        data = trim_to_longest(batch.select_indices(rows), self.multiple)
-        return _with_context(rows, data, None, self.context, self.cp_divisor)
-
     def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
-        data = _filler_rows(batch, rows_per_example, self.multiple)
-        return _with_context([], data, None, self.context, self.cp_divisor)
+        return self.shape.filler(batch, rows_per_example)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,20 +160,11 @@ class TokenBudget:
 
     train_tokens: int
     logprob_tokens: int
-    multiple: int = 1
-    """Pad each micro-batch's length to a multiple of this (TP under sequence parallelism)."""
-    context: ContextGroup | None = None
-    """With context parallelism the rows run packed (one sequence each), split over CP."""
-    cp_divisor: int = 1
-    """Under CP, each row is padded to a multiple of this."""
+    shape: RowShape = RowShape()
     field: str = "dynamic_batching"
 
-    def _budget(self, train: bool) -> tuple[int, str]:
-        name = "train_mb_tokens" if train else "logprob_mb_tokens"
-        return (self.train_tokens if train else self.logprob_tokens), f"{self.field}.{name}"
-
     def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
-        budget, name = self._budget(train)
+        budget, name = _budget(train, self.train_tokens, self.logprob_tokens, self.field)
         for unit in _units(list(lengths), rows_per_example):
             if len(unit) * max(unit) > budget:
                 raise ValueError(
@@ -168,20 +175,15 @@ class TokenBudget:
     def split(
         self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
     ) -> list[Microbatch]:
-        budget, _ = self._budget(train)
+        budget, _ = _budget(train, self.train_tokens, self.logprob_tokens, self.field)
         units = _units(batch["input_lengths"].tolist(), rows_per_example)
         # A unit of r rows costs r * its longest row per unit of its bin's longest row.
         longest = [max(u) for u in units]
         bins = sorted_cuts(longest, budget // rows_per_example)
-        return [self._finish(_expand(b, rows_per_example), batch) for b in bins]
-
-    def _finish(self, rows: list[int], batch: BatchedDataDict) -> Microbatch:
-        data = trim_to_longest(batch.select_indices(rows), self.multiple)
-        return _with_context(rows, data, None, self.context, self.cp_divisor)
+        return [self.shape.microbatch(_expand(b, rows_per_example), batch) for b in bins]
 
     def filler(self, batch: BatchedDataDict, like: Microbatch, rows_per_example: int) -> Microbatch:
-        data = _filler_rows(batch, rows_per_example, self.multiple)
-        return _with_context([], data, None, self.context, self.cp_divisor)
+        return self.shape.filler(batch, rows_per_example)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +200,6 @@ class Packed:
     """With context parallelism: every bin split over the CP group."""
     field: str = "sequence_packing"
 
-    def _budget(self, train: bool) -> tuple[int, str]:
-        name = "train_mb_tokens" if train else "logprob_mb_tokens"
-        return (self.train_tokens if train else self.logprob_tokens), f"{self.field}.{name}"
-
     def _unit_sizes(self, lengths: list[int], rows_per_example: int) -> list[int]:
         return [
             sum(round_up(n, self.divisible_by) for n in u)
@@ -209,7 +207,7 @@ class Packed:
         ]
 
     def check(self, lengths: Sequence[int], *, train: bool, rows_per_example: int) -> None:
-        budget, name = self._budget(train)
+        budget, name = _budget(train, self.train_tokens, self.logprob_tokens, self.field)
         for size, unit in zip(
             self._unit_sizes(list(lengths), rows_per_example),
             _units(list(lengths), rows_per_example),
@@ -224,7 +222,7 @@ class Packed:
     def split(
         self, batch: BatchedDataDict, *, train: bool, mbs: int, rows_per_example: int = 1
     ) -> list[Microbatch]:
-        budget, _ = self._budget(train)
+        budget, _ = _budget(train, self.train_tokens, self.logprob_tokens, self.field)
         lengths = batch["input_lengths"].tolist()
         bins = PACKERS[self.algorithm](self._unit_sizes(lengths, rows_per_example), budget)
         row_bins = [_expand(b, rows_per_example) for b in bins]
@@ -326,12 +324,11 @@ def build_plan(cfg: PolicyConfig, dims: ParallelDims, groups: Groups) -> Microba
             uniform=dims.pp > 1,
             context=context,
         )
+    shape = RowShape(multiple=multiple, context=context, cp_divisor=cp_divisor)
     if db.enabled:
         return TokenBudget(
             train_tokens=db.train_mb_tokens or train_default,
             logprob_tokens=db.logprob_mb_tokens or logprob_default,
-            multiple=multiple,
-            context=context,
-            cp_divisor=cp_divisor,
+            shape=shape,
         )
-    return FixedSize(multiple=multiple, context=context, cp_divisor=cp_divisor)
+    return FixedSize(shape=shape)
