@@ -18,6 +18,7 @@ to a sequence and attention never reads an unassigned token).
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -126,6 +127,15 @@ def sorted_cuts(lengths: list[int], capacity: int) -> Bins:
     return bins
 
 
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] position of each packed token within its sequence (0 at every boundary, also at
+    the last one for any tokens after it)."""
+    cu = cu_seqlens.to(torch.long)
+    lengths = torch.diff(cu, append=cu.new_tensor([total]))  # the tail counts as one more span
+    starts = torch.repeat_interleave(cu, lengths, output_size=total)
+    return torch.arange(total, device=cu.device) - starts
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -153,11 +163,12 @@ class PackedLayout:
 
     @property
     def starts(self) -> list[int]:
-        return [sum(self.padded[:j]) for j in range(len(self.padded))]
+        return [0, *itertools.accumulate(self.padded)][:-1]
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[1, T] position ids, restarting at 0 for every sequence (RoPE per sequence)."""
-        return torch.cat([torch.arange(p, device=device) for p in self.padded])[None, :]
+        cu = torch.tensor([*self.starts, self.total], device=device)
+        return packed_positions(cu, self.total)[None, :]
 
     def seq_params(self, device: torch.device) -> PackedSeqParams:
         """megatron's THD metadata: cu_seqlens of the true and of the padded lengths."""
@@ -177,21 +188,25 @@ class PackedLayout:
             max_seqlen_kv=longest,
         )
 
+    def _index(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed position of each row slot [n, width], whether the slot holds a token)."""
+        pos = torch.arange(width, device=device)
+        lengths = torch.tensor(self.lengths, device=device)[:, None]
+        starts = torch.tensor(self.starts, device=device)[:, None]
+        valid = pos[None, :] < lengths
+        return torch.where(valid, starts + pos[None, :], 0), valid
+
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, S, *rest] (row j valid up to lengths[j]) -> [1, T, *rest], zeros in the padding."""
+        index, valid = self._index(rows.shape[1], rows.device)
         out = rows.new_zeros((self.total, *rows.shape[2:]))
-        for j, (start, n) in enumerate(zip(self.starts, self.lengths, strict=True)):
-            out[start : start + n] = rows[j, :n]
+        out[index[valid]] = rows[valid]
         return out[None]
 
     def unpack(self, packed: torch.Tensor, width: int) -> torch.Tensor:
         """[1, T, *rest] -> [n, width, *rest]: row j's first lengths[j] positions, zeros after.
         Differentiable (a gather; its gradient scatters back)."""
-        pos = torch.arange(width, device=packed.device)
-        lengths = torch.tensor(self.lengths, device=packed.device)[:, None]
-        starts = torch.tensor(self.starts, device=packed.device)[:, None]
-        valid = pos[None, :] < lengths  # [n, width]
-        index = torch.where(valid, starts + pos[None, :], 0)
+        index, valid = self._index(width, packed.device)
         out = packed[0][index]  # [n, width, *rest]
         mask = valid.reshape(*valid.shape, *([1] * (out.dim() - 2)))
         return torch.where(mask, out, torch.zeros_like(out))

@@ -26,6 +26,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from policyworker.data.packing import packed_positions
 from policyworker.parallel.context import ContextSplit
 
 
@@ -108,14 +109,8 @@ class SDPACoreAttention(MegatronModule):
         the sequence's keys up to the chunk's end, causally (a lower-right-aligned mask)."""
         padded = list(split.padded)
         starts = torch.tensor([0, *padded]).cumsum(0).tolist()
-        local = split.local(query.device)
-        positions = (
-            local
-            - torch.repeat_interleave(
-                torch.tensor(starts[:-1], device=query.device),
-                torch.tensor([p // split.size for p in padded], device=query.device),
-            )
-        )[:, None]
+        cu = torch.tensor(starts, device=query.device)
+        positions = packed_positions(cu, starts[-1])[split.local(query.device)][:, None]
         query, key = self._rope(query, positions), self._rope(key, positions)
         key, value = split.gather_keys(key), split.gather_keys(value)  # [T, ng, hn]
         out = torch.empty_like(query)
@@ -194,15 +189,6 @@ def _varlen_cuda(
     return varlen_attn(
         query, key, value, cu_q.int(), cu_k.int(), max_q, max_k, scale=scale, window_size=(-1, 0)
     )
-
-
-def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[total] position of each packed token within its sequence (0 at every boundary, also at
-    the last one for any tokens after it)."""
-    cu = cu_seqlens.to(torch.long)
-    lengths = torch.diff(cu, append=cu.new_tensor([total]))  # the tail counts as one more span
-    starts = torch.repeat_interleave(cu, lengths, output_size=total)
-    return torch.arange(total, device=cu.device) - starts
 
 
 _CHUNK_TOKENS = 256  # the CPU path's chunks: few SDPA calls, little attention to masked pairs

@@ -14,12 +14,20 @@ the global positions rank r holds, in its local order.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@functools.lru_cache(maxsize=64)
+def _indices(padded: tuple[int, ...], rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local_positions, gathered_order) of one layout, computed once: every layer's attention
+    and every per-token output of a micro-batch use them."""
+    return local_positions(list(padded), rank, size), gathered_order(list(padded), size)
 
 
 def local_positions(padded: list[int], rank: int, size: int) -> torch.Tensor:
@@ -66,7 +74,10 @@ class ContextSplit:
     """Padded length of each packed sequence (each a multiple of 2 * size)."""
 
     def local(self, device: torch.device) -> torch.Tensor:
-        return local_positions(list(self.padded), self.rank, self.size).to(device)
+        return _indices(self.padded, self.rank, self.size)[0].to(device)
+
+    def _order(self, device: torch.device) -> torch.Tensor:
+        return _indices(self.padded, self.rank, self.size)[1].to(device)
 
     def seq_params(self, whole: PackedSeqParams, device: torch.device) -> PackedSeqParams:
         """THD metadata for attention: queries are this rank's tokens (`cu_seqlens_q*`, T / CP),
@@ -101,16 +112,14 @@ class ContextSplit:
     def gather_keys(self, x: torch.Tensor) -> torch.Tensor:
         """Local [t, ...] -> global [T, ...] in sequence order; the gradient is reduce-scattered
         back to the owners (every rank's queries may attend to every rank's keys)."""
-        order = gathered_order(list(self.padded), self.size).to(x.device)
-        return _AllGatherReduceScatter.apply(x, self.group, self.size)[order]
+        return _AllGatherReduceScatter.apply(x, self.group, self.size)[self._order(x.device)]
 
     def gather_outputs(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Per-token outputs, local -> global along `dim`, in sequence order. Every rank then
         computes the same loss from them, so each keeps only its own tokens' gradient."""
-        order = gathered_order(list(self.padded), self.size).to(x.device)
         moved = x.movedim(dim, 0)
         full = _AllGatherKeepOwnGrad.apply(moved.contiguous(), self.group, self.size, self.rank)
-        return full[order].movedim(0, dim)
+        return full[self._order(x.device)].movedim(0, dim)
 
 
 class _AllGatherReduceScatter(torch.autograd.Function):
