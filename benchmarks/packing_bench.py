@@ -22,7 +22,6 @@ Prints one JSON line: real (unpadded) tokens per second of each, the ratios, pea
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench import DEVICE, free, hf_config, timed
+from train_bench import DEVICE, emit, free, hf_config, timed
 
 
 def rl_batch(
@@ -176,10 +175,7 @@ def main() -> None:
         row[f"budgeted_vs_padded_{kind}"] = (
             row[f"budgeted_{kind}_tok_s"] / row[f"padded_{kind}_tok_s"]
         )
-    line = json.dumps(row)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    emit(row, args.out)
 
 
 if __name__ == "__main__":

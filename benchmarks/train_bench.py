@@ -51,6 +51,30 @@ def hf_config(layers: int, hidden: int, vocab: int):
     )
 
 
+def random_model(layers: int, hidden: int, vocab: int) -> tuple[Path, object, int]:
+    """A random bf16 Llama saved as a Hugging Face folder: (folder, config, parameter count)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = hf_config(layers, hidden, vocab)
+    folder = Path(tempfile.mkdtemp(prefix="bench-llama-"))
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(folder)
+    del model
+    free()
+    return folder, cfg, n_params
+
+
+def emit(row: dict[str, object], out: str | None) -> None:
+    """Print the benchmark's JSON line (and write it to `out`)."""
+    line = json.dumps(row)
+    print(line)
+    if out:
+        Path(out).write_text(line + "\n")
+
+
 def flops_per_step(cfg, tokens: int, seq: int) -> float:
     """6 * matmul params * tokens + causal attention (6 * L * s * h per token)."""
     h, f, v, L = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
@@ -210,20 +234,10 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="write a profile of one train() step here")
     args = parser.parse_args()
 
-    from transformers import LlamaForCausalLM
-
     from policyworker.config import PolicyConfig
     from policyworker.worker import MegatronPolicyWorker
 
-    cfg = hf_config(args.layers, args.hidden, args.vocab)
-    folder = Path(tempfile.mkdtemp(prefix="bench-llama-"))
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    n_params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(folder)
-    del model
-    free()
+    folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
 
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=DEVICE)
     tokens = args.batch * args.seq
@@ -267,10 +281,7 @@ def main() -> None:
         "logprobs_speedup_vs_hf": hf["logprobs_s"] / ours["logprobs_s"],
         "ours_peak_mem_gib": ours["peak_mem_gib"],
     }
-    line = json.dumps(row)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+    emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ _HOME = {
     "Loss": "policyworker.losses",
     "MegatronPolicyWorker": "policyworker.worker",
     "NLLLoss": "policyworker.losses",
+    "PhaseError": "policyworker.memory.residency",
     "PolicyConfig": "policyworker.config",
     "load_config": "policyworker.config",
 }
@@ -40,6 +41,7 @@ __all__ = [
     "Loss",
     "MegatronPolicyWorker",
     "NLLLoss",
+    "PhaseError",
     "PolicyConfig",
     "load_config",
 ]
@@ -71,4 +73,5 @@ if TYPE_CHECKING:
         Loss,
         NLLLoss,
     )
+    from policyworker.memory.residency import PhaseError
     from policyworker.worker import MegatronPolicyWorker

@@ -29,6 +29,9 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import Microbatch, build_plan
 from policyworker.losses.common import Loss, LossNeeds
+from policyworker.memory.phases import enter_phase
+from policyworker.memory.residency import Residency, Where
+from policyworker.memory.telemetry import log_memory, memory_stats
 from policyworker.model.build import build_gpt_model, global_named_parameters
 from policyworker.model.hf_config import check_sliding_window, load_hf_config, model_shape
 from policyworker.model.reference import ReferenceWeights
@@ -42,15 +45,30 @@ from policyworker.parallel.dims import (
     init_distributed,
     init_model_parallel,
 )
+from policyworker.train.lifecycle import (
+    OpenStep,
+    StepResult,
+    StepSpec,
+    add_chunk,
+    finish_step,
+    known_counts_for,
+    open_step,
+    summarize,
+    zero_grads,
+)
 from policyworker.train.optimizer import (
     build_optimizer,
     build_scheduler,
+    grad_buffers,
     optimizer_state_bytes,
+    optimizer_tensors,
     wrap_ddp,
 )
-from policyworker.train.step import loss_inputs, run_microbatches, train_global_batch
+from policyworker.train.step import loss_inputs, run_microbatches
 
 log = logging.getLogger(__name__)
+
+_TRAIN_STATE = ("params", "grads", "optimizer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -144,6 +162,13 @@ class MegatronPolicyWorker:
         self.state = PolicyState(
             model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
         )
+        self._step: OpenStep | None = None
+        self.memory = Residency(
+            params=lambda: [*model.parameters(), *model.buffers()],
+            grads=lambda: grad_buffers(ddp),
+            optimizer=lambda: optimizer_tensors(optimizer),
+            device=self.device,
+        )
 
     # --- inference -------------------------------------------------------------------------------
 
@@ -186,6 +211,7 @@ class MegatronPolicyWorker:
         """Swap the reference weights into the live parameters; the live ones return on exit."""
         if self.state.reference is None:
             raise ValueError("init_reference_model=False: this worker holds no reference model")
+        self.memory.require("use_reference_model", "params")
         with self.state.reference.swapped_into(global_named_parameters(self.state.model)):
             yield
 
@@ -233,45 +259,89 @@ class MegatronPolicyWorker:
         """One optimizer step per global batch of `data`; returns the metrics (see README).
 
         `eval_mode=True` computes the same loss and touches no weight, optimizer or scheduler state.
+        Each global batch runs as a split step (begin, one chunk, finish): one implementation.
         """
-        if self.state.ddp is None:
-            raise ValueError("init_optimizer=False: this worker cannot train")
-        gbs = self.cfg.train_global_batch_size if gbs is None else gbs
-        mbs = self.cfg.train_micro_batch_size if mbs is None else mbs
+        self._require_no_open_step("train")
+        self.memory.require("train", *(("params",) if eval_mode else _TRAIN_STATE))
+        gbs, mbs = self._step_sizes(gbs, mbs)
         b, _ = validate_batch(
             data,
             required=loss_fn.required_keys,
             max_seq_len=self.cfg.max_total_sequence_length,
             vocab_size=self.shape.vocab_size,
         )
-        local_gbs = self._check_batch_sizes(b=b, gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
+        local_gbs = self._check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
+        if b % local_gbs:
+            raise ValueError(
+                f"batch size {b}: expected a multiple of the per-rank global batch {local_gbs}"
+            )
         self.plan.check(
             data["input_lengths"].tolist(), train=True, rows_per_example=loss_fn.rows_per_example
         )
         data = loss_fn.prepare_batch(data).to(self.device)
-        ddp = self.state.ddp
-        ddp.train()
         results = []
         for start in range(0, b, local_gbs):
-            results.append(
-                train_global_batch(
-                    ddp=ddp,
-                    optimizer=self.state.optimizer,
-                    scheduler=self.state.scheduler,
-                    batch=data.slice(start, start + local_gbs),
-                    loss_fn=loss_fn,
-                    plan=self.plan,
-                    micro_batch_size=mbs,
-                    temperature=self.cfg.temperature,
-                    vocab_size=self.shape.vocab_size,
-                    max_grad_norm=self.cfg.max_grad_norm,
-                    groups=self.groups,
-                    eval_mode=eval_mode,
-                )
+            chunk = data.slice(start, start + local_gbs)
+            known = known_counts_for(loss_fn, chunk, self.groups)
+            spec = StepSpec(loss_fn, local_gbs, mbs, eval_mode=eval_mode, known_counts=known)
+            self._step = open_step(self.state.ddp, self.state.optimizer, spec)
+            self._add_chunk(chunk)
+            results.append(self._finish_step())
+        return self._summarize(results)
+
+    def begin_train_step(
+        self, loss_fn: Loss, gbs: int | None = None, mbs: int | None = None
+    ) -> None:
+        """Open a step: zero the gradients. `train_microbatch` then adds chunks of this rank's
+        share of the global batch (`gbs / dp` rows in all); `finish_train_step` applies it."""
+        self._require_no_open_step("begin_train_step")
+        self.memory.require("begin_train_step", *_TRAIN_STATE)
+        gbs, mbs = self._step_sizes(gbs, mbs)
+        local_gbs = self._check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
+        self._step = open_step(
+            self.state.ddp, self.state.optimizer, StepSpec(loss_fn, local_gbs, mbs)
+        )
+
+    def train_microbatch(self, data: BatchedDataDict) -> None:
+        """Forward/backward a chunk (a multiple of `mbs` rows); gradients accumulate locally, with
+        no DP reduce until `finish_train_step`. On an error inside, the step is aborted."""
+        step = self._require_open_step("train_microbatch")
+        self.memory.require("train_microbatch", "params", "grads")
+        spec = step.spec
+        b, _ = validate_batch(
+            data,
+            required=spec.loss_fn.required_keys,
+            max_seq_len=self.cfg.max_total_sequence_length,
+            vocab_size=self.shape.vocab_size,
+        )
+        if b % spec.mbs or step.rows + b > spec.local_rows:
+            raise ValueError(
+                f"data: expected a multiple of mbs={spec.mbs} rows and at most the "
+                f"{spec.local_rows - step.rows} rows left of this rank's global batch, got {b}"
             )
-        metrics = _summarize(results)
-        metrics["optimizer_state_bytes"] = optimizer_state_bytes(self.state.optimizer)
-        return metrics
+        lengths = data["input_lengths"].tolist()
+        self.plan.check(lengths, train=True, rows_per_example=spec.loss_fn.rows_per_example)
+        self._add_chunk(spec.loss_fn.prepare_batch(data).to(self.device))
+
+    def finish_train_step(self) -> dict[str, Any]:
+        """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics."""
+        step = self._require_open_step("finish_train_step")
+        self.memory.require("finish_train_step", *_TRAIN_STATE)
+        if step.rows != step.spec.local_rows:
+            raise ValueError(
+                f"finish_train_step: the step holds {step.rows} of this rank's "
+                f"{step.spec.local_rows} rows (gbs / dp); add the rest or abort_train_step()"
+            )
+        return self._summarize([self._finish_step()])
+
+    def abort_train_step(self) -> None:
+        """Drop the open step: gradients zeroed; weights, optimizer and scheduler untouched."""
+        self._require_open_step("abort_train_step")
+        self._step = None
+        if self.memory.where()["grads"] is Where.DEVICE:
+            zero_grads(self.state.ddp, self.state.optimizer)
+        else:  # a paused or offloaded step: its gradients are dropped where they are
+            self.memory.place({"grads": Where.FREED})
 
     def set_learning_rate(self, lr: float) -> None:
         """Restart the schedule at a new peak lr (e.g. SFT warm-up, then RL at a smaller lr)."""
@@ -283,12 +353,78 @@ class MegatronPolicyWorker:
         for group in self.state.optimizer.param_groups:
             group["max_lr"] = group["lr"] = lr
 
+    # --- memory phases (policyworker.memory.phases has the table) ------------------------------
+
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        """Params on the device; optimizer state to the host and idle gradients freed, unless
+        `keep_train_buffers` (an open step's gradients always stay)."""
+        keep = "(keep_train_buffers)" if keep_train_buffers else ""
+        self._phase("prepare_for_lp_inference" + keep)
+
+    def prepare_for_training(self) -> None:
+        """Params, gradients and optimizer state on the device."""
+        self._phase("prepare_for_training")
+
+    def finish_inference(self) -> None:
+        """Params and optimizer state to the host."""
+        self._phase("finish_inference")
+
+    def offload_before_refit(self) -> None:
+        """Gradients freed (an open step's go to the host), optimizer state to the host; the
+        params stay for the refit to read."""
+        self._phase("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        """Everything to the host: the device keeps only the CUDA context."""
+        self._phase("offload_after_refit")
+
+    def pause_train_step_with_offloading(self) -> None:
+        """Params and optimizer state to the host; an open step's gradients stay on the device
+        until `prepare_for_training` resumes it."""
+        self._phase("pause_train_step_with_offloading")
+
+    def move_model(
+        self, model: torch.nn.Module, device: str, move_params: bool = True, move_grads: bool = True
+    ) -> torch.nn.Module:
+        """Move the params and/or gradients: "cpu" to the host, "cuda" to the worker's device
+        (the CPU itself on a machine without a GPU). Idle gradients are freed, not copied."""
+        if model is not self.state.model and model is not self.state.ddp:
+            raise ValueError("model: expected this worker's model")
+        where = self._target(device)
+        targets = {"params": where} if move_params else {}
+        if move_grads:
+            idle = where is Where.HOST and self._step is None
+            targets["grads"] = Where.FREED if idle else where
+        self.memory.place(targets)
+        return model
+
+    def move_optimizer(self, device: str) -> None:
+        """Move the optimizer state (fp32 masters, Adam's moments): "cpu" or "cuda"."""
+        self.memory.place({"optimizer": self._target(device)})
+
+    def memory_stats(self) -> dict[str, object]:
+        """Allocated, reserved, peak (since the last phase line) and device-used bytes, and
+        where the training state is: the numbers of the DEBUG line each phase logs."""
+        return memory_stats(self.memory)
+
+    def _phase(self, name: str) -> None:
+        enter_phase(self.memory, name, step_open=self._step is not None)
+        log_memory(name, self.memory)
+
+    @staticmethod
+    def _target(device: str) -> Where:
+        targets = {"cpu": Where.HOST, "cuda": Where.DEVICE}
+        if device not in targets:
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+        return targets[device]
+
     # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) in the HF layout, for refit or saving: this pipeline stage's tensors,
         full size (TP shards gathered). Collective: every rank of the TP group iterates in step."""
-        yield from export_hf_weights(
+        self.memory.require("export_hf_weights", "params")
+        return export_hf_weights(
             global_named_parameters(self.state.model), self.shape, tp_group=self.groups.tp
         )
 
@@ -312,6 +448,7 @@ class MegatronPolicyWorker:
 
     def _check_inference_call(self, data: BatchedDataDict, micro_batch_size: int | None) -> int:
         """Validate a logprob/top-k call's batch and micro-batch size; returns the latter."""
+        self.memory.require("inference", "params")
         mbs = self.cfg.logprob_batch_size if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
@@ -324,7 +461,64 @@ class MegatronPolicyWorker:
         self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
         return mbs
 
-    def _check_batch_sizes(self, *, b: int, gbs: int, mbs: int, rows: int) -> int:
+    def _require_no_open_step(self, call: str) -> None:
+        if self.state.ddp is None:
+            raise ValueError("init_optimizer=False: this worker cannot train")
+        if self._step is not None:
+            raise ValueError(
+                f"{call}: a train step is open; finish_train_step() or abort_train_step() first"
+            )
+
+    def _require_open_step(self, call: str) -> OpenStep:
+        if self._step is None:
+            raise ValueError(f"{call}: no train step is open; begin_train_step() first")
+        return self._step
+
+    def _step_sizes(self, gbs: int | None, mbs: int | None) -> tuple[int, int]:
+        gbs = self.cfg.train_global_batch_size if gbs is None else gbs
+        return gbs, self.cfg.train_micro_batch_size if mbs is None else mbs
+
+    def _add_chunk(self, data: BatchedDataDict) -> None:
+        assert self._step is not None
+        try:
+            add_chunk(
+                self._step,
+                self.state.ddp,
+                data,
+                plan=self.plan,
+                groups=self.groups,
+                temperature=self.cfg.temperature,
+                vocab_size=self.shape.vocab_size,
+            )
+        except BaseException as e:
+            self._step = None
+            zero_grads(self.state.ddp, self.state.optimizer)
+            e.add_note("policyworker: the open train step was aborted (gradients dropped)")
+            raise
+
+    def _finish_step(self) -> StepResult:
+        step, self._step = self._step, None
+        assert step is not None
+        try:
+            return finish_step(
+                step,
+                self.state.ddp,
+                self.state.optimizer,
+                self.state.scheduler,
+                groups=self.groups,
+                max_grad_norm=self.cfg.max_grad_norm,
+                device=self.device,
+            )
+        except BaseException:
+            zero_grads(self.state.ddp, self.state.optimizer)
+            raise
+
+    def _summarize(self, results: list[StepResult]) -> dict[str, Any]:
+        metrics = summarize(results)
+        metrics["optimizer_state_bytes"] = optimizer_state_bytes(self.state.optimizer)
+        return metrics
+
+    def _check_batch_sizes(self, *, gbs: int, mbs: int, rows: int) -> int:
         dp = self.dims.dp
         for name, value in (("gbs", gbs), ("mbs", mbs)):
             if not isinstance(value, int) or value < 1:
@@ -336,12 +530,7 @@ class MegatronPolicyWorker:
             )
         if gbs % dp or (gbs // dp) % mbs:
             raise ValueError(f"gbs: expected a multiple of dp*mbs = {dp}*{mbs}, got {gbs}")
-        local_gbs = gbs // dp
-        if b % local_gbs:
-            raise ValueError(
-                f"batch size {b}: expected a multiple of the per-rank global batch {local_gbs}"
-            )
-        return local_gbs
+        return gbs // dp
 
     def _forward_collect(
         self,
@@ -375,21 +564,3 @@ class MegatronPolicyWorker:
             out[~valid] = 0
             result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
         return result
-
-
-def _summarize(results: list[Any]) -> dict[str, Any]:
-    """Each metric over global batches (mean; min/max for `*_min`/`*_max`), plus the step
-    bookkeeping users plot."""
-    out: dict[str, Any] = {}
-    for key in results[0].metrics:
-        values = [r.metrics[key] for r in results]
-        reduce = {"_min": min, "_max": max}.get(key[-4:])
-        out[key] = reduce(values) if reduce else sum(values) / len(values)
-    out["global_valid_toks"] = sum(r.metrics["global_valid_toks"] for r in results)
-    out["global_valid_seqs"] = sum(r.metrics["global_valid_seqs"] for r in results)
-    out["num_microbatches"] = sum(int(r.metrics["num_microbatches"]) for r in results)
-    out["grad_norm"] = sum(r.grad_norm for r in results) / len(results)
-    out["lr"] = results[-1].lr
-    out["num_global_batches"] = len(results)
-    out["skipped_steps"] = sum(r.skipped for r in results)
-    return out

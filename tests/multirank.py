@@ -1,6 +1,6 @@
 """One parallel layout's results, for `test_parallel.py`: run under torchrun, rank 0 saves them.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt] [sp] [cp]
+    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt] [sp] [cp] [split]
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them).
@@ -31,6 +31,7 @@ from policyworker.losses import (
     DistillationConfig,
     DistillationLoss,
     DPOLoss,
+    Loss,
 )
 from policyworker.worker import MegatronPolicyWorker
 
@@ -41,7 +42,22 @@ LENGTHS = [14, 13, 14, 12, 3, 4, 2, 5]
 PACK_TOKENS = 32
 
 
-def layout_results(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, object]:
+def train(
+    worker: MegatronPolicyWorker, data: BatchedDataDict, loss: Loss, mbs: int | None, split: bool
+) -> dict[str, object]:
+    """A train step, or (`split`) the same step streamed in two chunks of split-step training."""
+    if not split or loss.normalizer is None:
+        return worker.train(data, loss, mbs=mbs)
+    worker.begin_train_step(loss, mbs=mbs)
+    half = data.size // 2
+    worker.train_microbatch(data.slice(0, half))
+    worker.train_microbatch(data.slice(half, data.size))
+    return worker.finish_train_step()
+
+
+def layout_results(
+    worker: MegatronPolicyWorker, data: BatchedDataDict, split: bool = False
+) -> dict[str, object]:
     """What every layout must agree on, for this rank's `data`."""
     out: dict[str, object] = {
         "logprobs": worker.get_logprobs(data=data, micro_batch_size=1)["logprobs"]
@@ -51,10 +67,10 @@ def layout_results(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[
     out["reference_logprobs"] = worker.get_reference_policy_logprobs(data=data)[
         "reference_logprobs"
     ]
-    out["train"] = [worker.train(data, ClippedPGLoss()) for _ in range(2)]
+    out["train"] = [train(worker, data, ClippedPGLoss(), None, split) for _ in range(2)]
     out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
     # One step of each other loss (their gradients show in grad_norm), in a fixed order.
-    out["train"] += [worker.train(data, loss, mbs=2) for loss in OTHER_LOSSES]
+    out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
     out["logprobs_final"] = worker.get_logprobs(data=data)["logprobs"]
     return out
 
@@ -125,7 +141,7 @@ def main() -> None:
     )
     data = fixed_batch(worker.shape.vocab_size)
     shard = data.shard_by_batch_size(worker.dims.dp)[worker.groups.dp_rank]
-    mine = layout_results(worker, shard)
+    mine = layout_results(worker, shard, split="split" in flags)
     # Data-parallel peers hold the other rows: gather them (in dp-rank order) on every rank.
     shards: list[dict[str, object]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(shards, {"dp_rank": worker.groups.dp_rank, **mine})

@@ -28,6 +28,9 @@ LAYOUTS = {
     "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
     "cp2": (1, 1, ("cp",)),
     "cp2-packed": (1, 1, ("cp", "pack")),
+    # split-step training: each rank streams its share in two chunks
+    "dp2-split-step-packed": (1, 1, ("split", "pack")),
+    "pp2-split-step": (1, 2, ("split",)),
 }
 
 

@@ -3,9 +3,11 @@
     python -m policyworker demo --out runs/demo                    # built-in addition task, CPU
     python -m policyworker demo --model /ckpt --data tasks.jsonl   # your checkpoint (GPU)
 
-One GRPO step, as an RL loop runs it: refit the sampler, sample a group of
-responses per prompt, reward them, normalize rewards within each group into advantages, get
-prev/reference logprobs from the worker, and train with ClippedPGLoss.
+One GRPO step, as a colocated RL loop runs it (trainer and sampler share the device):
+`offload_before_refit`, refit the sampler, `offload_after_refit`; sample a group of responses
+per prompt, reward them, normalize rewards within each group into advantages;
+`prepare_for_lp_inference`, prev/reference logprobs from the worker; `prepare_for_training`,
+train with ClippedPGLoss. On a GPU each phase logs a memory line.
 """
 
 from __future__ import annotations
@@ -120,6 +122,8 @@ class Run:
             seed=cfg.seed,
         )
         self.worker = MegatronPolicyWorker(policy, tokenizer=self.tokenizer)
+        if self.worker.device.type == "cuda":  # a memory line per phase (DEBUG level)
+            logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
         self.sampler = HFSampler(str(model_dir), self.tokenizer, device=self.worker.device)
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
@@ -161,7 +165,11 @@ class Run:
     def grpo_step(self, step: int, loss_fn: ClippedPGLoss) -> dict:
         cfg = self.cfg
         examples = self.draw(cfg.prompts_per_step)
+        # The colocated order: free the trainer's device memory around the weight hand-over,
+        # generate, then take it back for logprobs and training.
+        self.worker.offload_before_refit()
         self.sampler.load_weights(self.worker.export_hf_weights())  # refit
+        self.worker.offload_after_refit()
         samples = self.sampler.sample(
             [e.prompt for e in examples],
             n=cfg.group_size,
@@ -172,10 +180,12 @@ class Run:
         answers = [e.answer for e in examples for _ in range(cfg.group_size)]
         rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
         batch = grpo_batch(samples, rewards, cfg.group_size, self.tokenizer.pad_token_id)
+        self.worker.prepare_for_lp_inference()
         batch["prev_logprobs"] = self.worker.get_logprobs(data=batch)["logprobs"]
         if "reference_policy_logprobs" in loss_fn.required_keys:  # only with a KL penalty
             ref = self.worker.get_reference_policy_logprobs(data=batch)
             batch["reference_policy_logprobs"] = ref["reference_logprobs"]
+        self.worker.prepare_for_training()
         m = self.worker.train(batch, loss_fn)
         keep = (
             "loss",

@@ -268,6 +268,12 @@ class ClippedPGLoss(Loss):
         )
         return out
 
+    @property
+    def normalizer(self) -> str | None:
+        if self.cfg.positive_example_nll_weight > 0:
+            return None  # the NLL term divides by global_positive_toks
+        return "global_valid_toks" if self.cfg.token_level_loss else "global_valid_seqs"
+
     def counts(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = super().counts(data)
         if self.cfg.positive_example_nll_weight > 0:

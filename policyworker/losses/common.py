@@ -102,6 +102,13 @@ class Loss:
     """Batch fields the loss reads, beyond input_ids/input_lengths."""
     rows_per_example: int = 1
 
+    @property
+    def normalizer(self) -> str | None:
+        """The count that divides every term of the loss, or None when terms divide by different
+        counts. With one normalizer the gradient can be normalized after the fact, which is how a
+        step runs when its global counts are not known up front (split-step training)."""
+        return "global_valid_toks"
+
     def prepare_batch(self, data: Any) -> Any:
         """Adjust a whole (DP-local) global batch before counts are taken (e.g. drop sequences)."""
         return data

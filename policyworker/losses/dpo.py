@@ -54,6 +54,10 @@ class DPOLoss(Loss):
     def __init__(self, cfg: DPOConfig | None = None) -> None:
         self.cfg = cfg or DPOConfig()
 
+    @property
+    def normalizer(self) -> str | None:
+        return "global_valid_seqs"  # every term divides by pairs = seqs / 2
+
     def __call__(
         self,
         inputs: LossInputs,

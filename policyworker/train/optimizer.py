@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -32,18 +32,12 @@ def wrap_ddp(model: MegatronModule, *, distributed_optimizer: bool) -> Distribut
         check_for_nan_in_grad=False,  # non-finite grads skip the step instead (see train.step)
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    # Our loss is normalized by global token counts already: finalize must not divide by the
-    # schedule's token count, only reduce (DP all-reduce, tied embeddings, sequence-parallel norms).
-    model.config.finalize_model_grads_func = _finalize_without_token_scaling
+    # The schedule never reduces gradients: a step may span several schedule calls
+    # (split-step training), and `train.lifecycle.finish_step` finalizes once, itself.
+    model.config.finalize_model_grads_func = None
     model.config.no_sync_func = ddp.no_sync
     model.config.grad_sync_func = None
     return ddp
-
-
-def _finalize_without_token_scaling(
-    model: list[torch.nn.Module], num_tokens: object, **kwargs: object
-) -> None:
-    finalize_model_grads(model, num_tokens=None, **kwargs)  # type: ignore[arg-type]
 
 
 def build_optimizer(
@@ -71,7 +65,7 @@ def build_optimizer(
     return optimizer
 
 
-def _parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
+def optimizer_parts(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     if isinstance(optimizer, ChainedOptimizer):
         return list(optimizer.chained_optimizers)
     return [optimizer]
@@ -82,7 +76,7 @@ def _use_fused_adamw(optimizer: MegatronOptimizer) -> None:
     kernel (CPU and CUDA), which is faster and takes `grad_scale`, the hook `optimizer_step` uses
     to clip. The flags are read at every step, so switching after construction is enough.
     """
-    for part in _parts(optimizer):
+    for part in optimizer_parts(optimizer):
         torch_opt = part.optimizer
         if not isinstance(torch_opt, torch.optim.AdamW):
             raise TypeError(f"expected megatron to build torch AdamW, got {type(torch_opt)}")
@@ -103,7 +97,7 @@ def optimizer_step(
     gradient as it reads it); one multi-tensor master->model copy. A non-finite norm (NaN or inf
     in any gradient, on any rank of the grad-stats group) applies nothing.
     """
-    parts = _parts(optimizer)
+    parts = optimizer_parts(optimizer)
     for part in parts:
         part.prepare_grads()  # main params' .grad <- DDP's fp32 main_grad (views, no copy)
     norm = global_grad_norm(parts, device)
@@ -129,11 +123,28 @@ def optimizer_step(
     return True, norm
 
 
+def optimizer_tensors(optimizer: MegatronOptimizer | None) -> Iterator[torch.Tensor]:
+    """Every tensor the optimizer holds: the params it updates (fp32 masters for a bf16 model)
+    and their state (Adam's moments and step)."""
+    for part in optimizer_parts(optimizer) if optimizer is not None else []:
+        for group in part.optimizer.param_groups:
+            yield from group["params"]
+        for state in part.optimizer.state.values():
+            yield from (v for v in state.values() if torch.is_tensor(v))
+
+
+def grad_buffers(ddp: DistributedDataParallel | None) -> list[torch.Tensor]:
+    """DDP's contiguous fp32 gradient buffers (every `param.main_grad` is a view of one)."""
+    if ddp is None:
+        return []
+    return [b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers]
+
+
 def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
     """Bytes this rank holds for the optimizer: Adam's moments, and the fp32 master weights when
     the model is bf16 (an fp32 model's parameters are its own masters)."""
     total = 0
-    for part in _parts(optimizer):
+    for part in optimizer_parts(optimizer):
         state = part.optimizer.state
         for group in part.optimizer.param_groups:
             for p in group["params"]:

@@ -2,15 +2,13 @@
 
 `run_microbatches` is the one place that calls `get_forward_backward_func()`: inference
 (`get_logprobs`, top-k) and training both go through it, so pipeline parallelism slots in
-without a second code path. `train_global_batch` adds the global normalization, the non-finite
-check, the optimizer and the scheduler step.
+without a second code path. `train.lifecycle` builds an optimizer step on it.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +17,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
-from policyworker.losses.common import Loss, LossInputs, LossNeeds
+from policyworker.losses.common import LossInputs, LossNeeds
 from policyworker.model.build import batch_major_logits
 from policyworker.ops.logprobs import index_logprobs, vocab_parallel_entropy
-from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
-from policyworker.train.optimizer import optimizer_step
+from policyworker.parallel.dims import Groups
 
 log = logging.getLogger(__name__)
 
@@ -124,42 +121,6 @@ def reduce_metrics(
     return dict(zip(keys, values.tolist(), strict=True))
 
 
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What one global batch did."""
-
-    metrics: dict[str, float]
-    grad_norm: float
-    applied: bool
-    skipped: bool
-    """True when a non-finite gradient made the step a no-op."""
-    lr: float
-
-
-def make_loss_fn(
-    loss_fn: Loss,
-    *,
-    temperature: float,
-    groups: Groups,
-    vocab_size: int,
-    counts: dict[str, torch.Tensor],
-) -> MicrobatchFn:
-    """Logits -> what the loss asked for (`loss_fn.needs`) -> the loss, for one micro-batch."""
-
-    def fn(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inputs = loss_inputs(
-            logits,
-            mb,
-            loss_fn.needs,
-            temperature=temperature,
-            groups=groups,
-            vocab_size=vocab_size,
-        )
-        return loss_fn(inputs, mb.data, counts)
-
-    return fn
-
-
 def split_for_training(
     batch: BatchedDataDict, plan: MicrobatchPlan, mbs: int, rows_per_example: int, groups: Groups
 ) -> list[Microbatch]:
@@ -175,60 +136,12 @@ def split_for_training(
     return mbs_list
 
 
-def global_counts(
-    loss_fn: Loss, batch: BatchedDataDict, dp_group: dist.ProcessGroup | None
+def sum_over_dp(
+    local: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None
 ) -> dict[str, torch.Tensor]:
-    """The loss's counts (`global_valid_toks`, ...) summed over this global batch and DP ranks."""
-    local = loss_fn.counts(batch)
+    """Counts (`global_valid_toks`, ...) summed over the data-parallel ranks."""
     names = sorted(local)
     stacked = torch.stack([local[n].float() for n in names])
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(stacked, group=dp_group)
     return dict(zip(names, stacked.unbind(), strict=True))
-
-
-def train_global_batch(
-    *,
-    ddp: torch.nn.Module,
-    optimizer: Any,
-    scheduler: Any,
-    batch: BatchedDataDict,
-    loss_fn: Loss,
-    plan: MicrobatchPlan,
-    micro_batch_size: int,
-    temperature: float,
-    vocab_size: int,
-    max_grad_norm: float,
-    groups: Groups,
-    eval_mode: bool,
-) -> StepResult:
-    """Forward/backward one (DP-local) global batch, then clip, step and schedule unless eval."""
-    device = batch["input_ids"].device
-    counts = global_counts(loss_fn, batch, groups.dp)
-    fn = make_loss_fn(
-        loss_fn, temperature=temperature, groups=groups, vocab_size=vocab_size, counts=counts
-    )
-    microbatches = split_for_training(
-        batch, plan, micro_batch_size, loss_fn.rows_per_example, groups
-    )
-    lr = float(optimizer.param_groups[0]["lr"])
-    if not eval_mode:
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-    stores = run_microbatches(ddp, microbatches, fn, forward_only=eval_mode)
-    # Losses live on the last pipeline stage; every stage reports them.
-    metrics = broadcast_object_from_last_stage(reduce_metrics(stores, groups.dp), groups)
-    metrics |= {name: float(value) for name, value in counts.items()}
-    metrics["num_microbatches"] = float(len(microbatches))
-    if eval_mode:
-        return StepResult(metrics=metrics, grad_norm=0.0, applied=False, skipped=False, lr=lr)
-    applied, grad_norm = optimizer_step(optimizer, max_grad_norm=max_grad_norm, device=device)
-    if applied:
-        scheduler.step(increment=1)
-    else:
-        log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-    return StepResult(
-        metrics=metrics, grad_norm=grad_norm, applied=applied, skipped=not applied, lr=lr
-    )

@@ -1,0 +1,78 @@
+"""GPU checks of the memory phases and split-step training (run on the device, not in CI):
+exact round trips through pinned host memory, an open step's gradients across an offload, what
+an offload leaves on the GPU, and split-step = train() in bf16.
+
+python -m pytest -q gpu_tests/test_gpu_memory.py
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from helpers import make_batch, make_hf_model
+from test_gpu_parity import MEDIUM
+from test_split_step import assert_same, snapshot
+
+from policyworker.config import OptimizerConfig, PolicyConfig
+from policyworker.losses import ClippedPGLoss, NLLLoss
+from policyworker.worker import MegatronPolicyWorker
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU tests need CUDA", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("gpu_mem"), "llama", **MEDIUM)
+
+
+def _worker(folder, distributed=False):
+    return MegatronPolicyWorker(
+        PolicyConfig(
+            model_name=str(folder),
+            precision="bfloat16",
+            train_global_batch_size=4,
+            train_micro_batch_size=2,
+            logprob_batch_size=4,
+            max_total_sequence_length=128,
+            optimizer=OptimizerConfig(lr=1e-4, use_distributed_optimizer=distributed),
+        )
+    )
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed-optimizer"])
+def test_round_trip_through_pinned_memory_is_exact(folder, distributed):
+    worker, twin = _worker(folder, distributed), _worker(folder, distributed)
+    data = make_batch(batch=4, seq=100, vocab=1024, seed=1)
+    for w in (worker, twin):
+        w.train(data, ClippedPGLoss())
+    before = snapshot(worker)
+    state = worker.memory_stats()["state_on_device_bytes"]
+    allocated = torch.cuda.memory_allocated()  # the twin's state is on this GPU too
+    worker.offload_before_refit()
+    worker.offload_after_refit()
+    arenas = [g.arena for g in worker.memory._groups.values() if g.arena is not None]
+    assert arenas and all(a.pinned for a in arenas)
+    assert allocated - torch.cuda.memory_allocated() >= 0.95 * state
+    worker.prepare_for_lp_inference()
+    worker.prepare_for_training()
+    assert_same(snapshot(worker), before)
+    assert worker.train(data, ClippedPGLoss()) == twin.train(data, ClippedPGLoss())
+    assert_same(snapshot(worker), snapshot(twin))
+
+
+def test_open_step_survives_offload_and_split_equals_train(folder):
+    worker, twin = _worker(folder), _worker(folder)
+    data = make_batch(batch=4, seq=100, vocab=1024, seed=2)
+    worker.begin_train_step(NLLLoss())
+    worker.train_microbatch(data.slice(0, 2))
+    worker.offload_after_refit()
+    worker.prepare_for_lp_inference()
+    worker.get_logprobs(data=data)
+    worker.prepare_for_training()
+    worker.train_microbatch(data.slice(2, 4))
+    assert worker.finish_train_step() == twin.train(data, NLLLoss())
+    assert_same(snapshot(worker), snapshot(twin))

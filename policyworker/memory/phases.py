@@ -1,0 +1,62 @@
+"""The memory phases of a colocated RL step, as targets for the three groups of state.
+
+| phase                        | params | optimizer | grads (no step open) | grads (step open) |
+|------------------------------|--------|-----------|----------------------|-------------------|
+| prepare_for_lp_inference     | device | host      | freed                | device            |
+|   (keep_train_buffers=True)  | device | device    | device               | device            |
+| prepare_for_training         | device | device    | device               | device            |
+| finish_inference             | host   | host      | freed                | host              |
+| offload_before_refit         | device | host      | freed                | host              |
+| offload_after_refit          | host   | host      | freed                | host              |
+| pause_train_step_with_offloading | host | host    | freed                | device            |
+
+Every phase is a target placement, so each is idempotent and legal after any other. An open
+step's gradients are never freed: they stay on the device or are copied to the host and back
+exactly. Phases that free device memory also return the allocator's cached blocks to the driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from policyworker.memory.residency import Residency, Where
+
+D, H, F = Where.DEVICE, Where.HOST, Where.FREED
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    params: Where
+    optimizer: Where
+    grads: Where
+    grads_in_step: Where
+    """Where an open step's gradients go (never FREED)."""
+
+    def targets(self, step_open: bool) -> dict[str, Where]:
+        return {
+            "params": self.params,
+            "grads": self.grads_in_step if step_open else self.grads,
+            "optimizer": self.optimizer,
+        }
+
+
+PHASES = {
+    "prepare_for_lp_inference": Phase(D, H, F, D),
+    "prepare_for_lp_inference(keep_train_buffers)": Phase(D, D, D, D),
+    "prepare_for_training": Phase(D, D, D, D),
+    "finish_inference": Phase(H, H, F, H),
+    "offload_before_refit": Phase(D, H, F, H),
+    "offload_after_refit": Phase(H, H, F, H),
+    "pause_train_step_with_offloading": Phase(H, H, F, D),
+}
+
+
+def enter_phase(residency: Residency, name: str, *, step_open: bool) -> None:
+    """Move the state to the phase's placement; when it frees anything, return the allocator's
+    cached blocks to the driver so that a colocated engine can use them."""
+    targets = PHASES[name].targets(step_open)
+    residency.place(targets)
+    if residency.device.type == "cuda" and any(w is not D for w in targets.values()):
+        torch.cuda.empty_cache()

@@ -1,0 +1,226 @@
+"""One optimizer step as a lifecycle: open, add chunks of data, finish (or abort).
+
+`train()` and split-step training (`begin_train_step` / `train_microbatch` /
+`finish_train_step` / `abort_train_step`) are the same code: `train()` opens a step, adds its whole
+DP-local global batch as one chunk and finishes it.
+
+Normalization. A loss divides by global counts (tokens or sequences over the whole global batch
+and all DP ranks), which a streaming caller does not know until the last chunk. So a step whose
+loss has one `normalizer` evaluates the loss with every count at 1 — the backward accumulates
+plain sums into megatron's fp32 grad buffers — and `finish_step` divides the gradients by the
+global count once all chunks are in. A loss whose terms divide by different counts (ClippedPG's
+positive-example NLL) cannot be rescaled after the fact: `train()` gives it the counts up front,
+split-step training refuses it. Metrics are always recomputed at finish from each micro-batch's
+detached loss inputs with the true counts, so they equal a step that knew the counts.
+
+Gradients are never reduced over DP before `finish_step`: the schedule is given no
+`finalize_model_grads_func` (see `train.optimizer.wrap_ddp`), and `finish_step` runs megatron's
+`finalize_model_grads` itself (DP reduce, tied embeddings, sequence-parallel norms). No megatron
+hook is swapped in or out, so an abort has nothing to restore. Outside a step the grad buffers
+are zero (a step zeroes them at its start and end, an abort zeroes them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.microbatch import Microbatch, MicrobatchPlan
+from policyworker.losses.common import EPS, Loss, LossInputs
+from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
+from policyworker.train.optimizer import optimizer_step
+from policyworker.train.step import (
+    loss_inputs,
+    reduce_metrics,
+    run_microbatches,
+    split_for_training,
+    sum_over_dp,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one global batch did."""
+
+    metrics: dict[str, float]
+    grad_norm: float
+    applied: bool
+    skipped: bool
+    """True when a non-finite gradient made the step a no-op."""
+    lr: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """What a step runs with: the loss, sizes on this rank, and how it is normalized."""
+
+    loss_fn: Loss
+    local_rows: int
+    """Rows of the global batch on this DP rank; the chunks must add up to it."""
+    mbs: int
+    eval_mode: bool = False
+    known_counts: dict[str, torch.Tensor] | None = None
+    """Global counts given up front (losses without one normalizer); None: normalize at finish."""
+
+
+@dataclass(slots=True)
+class OpenStep:
+    """An open step: what has been added so far. Gradients live in the DDP grad buffers."""
+
+    spec: StepSpec
+    local_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: int = 0
+    num_microbatches: int = 0
+    records: list[tuple[LossInputs, Mapping[str, torch.Tensor]]] = field(default_factory=list)
+    """Per micro-batch (last pipeline stage): detached loss inputs and data, for the metrics."""
+
+    @property
+    def loss_counts(self) -> dict[str, torch.Tensor] | None:
+        return self.spec.known_counts
+
+
+def open_step(ddp: torch.nn.Module, optimizer: Any, spec: StepSpec) -> OpenStep:
+    """Zero the gradients and open a step."""
+    if spec.known_counts is None and spec.loss_fn.normalizer is None:
+        raise ValueError(
+            f"loss_fn: {type(spec.loss_fn).__name__} divides its terms by different counts, so "
+            "its gradient cannot be normalized after the fact; use train() for it"
+        )
+    if not spec.eval_mode:
+        zero_grads(ddp, optimizer)
+    return OpenStep(spec=spec)
+
+
+def add_chunk(
+    step: OpenStep,
+    ddp: torch.nn.Module,
+    batch: BatchedDataDict,
+    *,
+    plan: MicrobatchPlan,
+    groups: Groups,
+    temperature: float,
+    vocab_size: int,
+) -> None:
+    """Forward/backward one chunk of this rank's share (already validated and prepared);
+    gradients accumulate locally. Every DP rank adds its chunk at the same time."""
+    loss_fn = step.spec.loss_fn
+    local = loss_fn.counts(batch)
+    counts = step.loss_counts or {name: torch.ones_like(v) for name, v in local.items()}
+    records: list[tuple[LossInputs, Mapping[str, torch.Tensor]]] = []
+
+    def fn(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs = loss_inputs(
+            logits,
+            mb,
+            loss_fn.needs,
+            temperature=temperature,
+            groups=groups,
+            vocab_size=vocab_size,
+        )
+        loss, _ = loss_fn(inputs, mb.data, counts)
+        records.append((_detached(inputs), mb.data))
+        return loss, {}
+
+    microbatches = split_for_training(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
+    ddp.train()
+    run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode)
+    for name, value in local.items():
+        step.local_counts[name] = step.local_counts.get(name, 0) + value.detach().float()
+    step.rows += batch.size
+    step.num_microbatches += len(microbatches)
+    step.records += records
+
+
+def finish_step(
+    step: OpenStep,
+    ddp: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    groups: Groups,
+    max_grad_norm: float,
+    device: torch.device,
+) -> StepResult:
+    """Reduce, normalize, clip, step the optimizer and the scheduler; the metrics of the step."""
+    spec = step.spec
+    counts = spec.known_counts or sum_over_dp(step.local_counts, groups.dp)
+    metrics = _metrics(step, counts, groups)
+    metrics |= {name: float(value) for name, value in counts.items()}
+    metrics["num_microbatches"] = float(step.num_microbatches)
+    lr = float(optimizer.param_groups[0]["lr"])
+    if spec.eval_mode:
+        return StepResult(metrics=metrics, grad_norm=0.0, applied=False, skipped=False, lr=lr)
+    finalize_model_grads([ddp], num_tokens=None)
+    if spec.known_counts is None:
+        normalizer = spec.loss_fn.normalizer
+        assert normalizer is not None  # open_step refused the others
+        ddp.scale_gradients(1.0 / (float(counts[normalizer]) + EPS))
+    applied, grad_norm = optimizer_step(optimizer, max_grad_norm=max_grad_norm, device=device)
+    if applied:
+        scheduler.step(increment=1)
+    else:
+        log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
+    zero_grads(ddp, optimizer)  # outside a step the grad buffers are zero
+    return StepResult(
+        metrics=metrics, grad_norm=grad_norm, applied=applied, skipped=not applied, lr=lr
+    )
+
+
+def zero_grads(ddp: torch.nn.Module, optimizer: Any) -> None:
+    """Zero the grad buffers: how a step starts, ends and is aborted (weights, optimizer state
+    and scheduler untouched), so that outside a step the gradients are zero."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def known_counts_for(
+    loss_fn: Loss, batch: BatchedDataDict, groups: Groups
+) -> dict[str, torch.Tensor] | None:
+    """The global counts `train()` hands a loss without one normalizer; None for the others."""
+    return None if loss_fn.normalizer is not None else sum_over_dp(loss_fn.counts(batch), groups.dp)
+
+
+def summarize(results: list[StepResult]) -> dict[str, Any]:
+    """Each metric over global batches (mean; min/max for `*_min`/`*_max`), plus the step
+    bookkeeping users plot."""
+    out: dict[str, Any] = {}
+    for key in results[0].metrics:
+        values = [r.metrics[key] for r in results]
+        reduce = {"_min": min, "_max": max}.get(key[-4:])
+        out[key] = reduce(values) if reduce else sum(values) / len(values)
+    out["global_valid_toks"] = sum(r.metrics["global_valid_toks"] for r in results)
+    out["global_valid_seqs"] = sum(r.metrics["global_valid_seqs"] for r in results)
+    out["num_microbatches"] = sum(int(r.metrics["num_microbatches"]) for r in results)
+    out["grad_norm"] = sum(r.grad_norm for r in results) / len(results)
+    out["lr"] = results[-1].lr
+    out["num_global_batches"] = len(results)
+    out["skipped_steps"] = sum(r.skipped for r in results)
+    return out
+
+
+def _metrics(step: OpenStep, counts: dict[str, torch.Tensor], groups: Groups) -> dict[str, float]:
+    """The loss's metrics of every micro-batch with the true counts, reduced over DP; every
+    pipeline stage gets those of the last."""
+    loss_fn = step.spec.loss_fn
+    with torch.no_grad():
+        stores = [loss_fn(inputs, data, counts)[1] for inputs, data in step.records]
+    return broadcast_object_from_last_stage(reduce_metrics(stores, groups.dp), groups)
+
+
+def _detached(inputs: LossInputs) -> LossInputs:
+    def d(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach()
+
+    return LossInputs(
+        logprobs=d(inputs.logprobs),
+        entropy=d(inputs.entropy),
+        index_logprobs=d(inputs.index_logprobs),
+    )
