@@ -21,11 +21,13 @@ _HOME = {
     "DPOLoss": "policyworker.losses",
     "DistillationConfig": "policyworker.losses",
     "DistillationLoss": "policyworker.losses",
+    "GenerationProcess": "policyworker.generation.process",
     "Loss": "policyworker.losses",
     "MegatronPolicyWorker": "policyworker.worker",
     "NLLLoss": "policyworker.losses",
     "PhaseError": "policyworker.memory.residency",
     "PolicyConfig": "policyworker.config",
+    "RefitError": "policyworker.refit.layout",
     "load_config": "policyworker.config",
 }
 
@@ -38,11 +40,13 @@ __all__ = [
     "DPOLoss",
     "DistillationConfig",
     "DistillationLoss",
+    "GenerationProcess",
     "Loss",
     "MegatronPolicyWorker",
     "NLLLoss",
     "PhaseError",
     "PolicyConfig",
+    "RefitError",
     "load_config",
 ]
 
@@ -63,6 +67,7 @@ if TYPE_CHECKING:
     from policyworker.config import PolicyConfig, load_config
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.data.contract import BatchValidationError
+    from policyworker.generation.process import GenerationProcess
     from policyworker.losses import (
         ClippedPGConfig,
         ClippedPGLoss,
@@ -74,4 +79,5 @@ if TYPE_CHECKING:
         NLLLoss,
     )
     from policyworker.memory.residency import PhaseError
+    from policyworker.refit.layout import RefitError
     from policyworker.worker import MegatronPolicyWorker

@@ -155,6 +155,27 @@ class DynamicBatchingConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class RefitConfig:
+    """Weight hand-over to a generation engine (`policyworker.refit`)."""
+
+    timeout_s: float = 120.0
+    """Seconds either side waits for the other before the refit fails (a dead peer is an error,
+    never a hang); a call's `refit_timeout_s` overrides it."""
+    buffer_size_bytes: int = 0
+    """Bytes of each of the two transfer buffers; 0: from free device memory (a tenth of it,
+    between 64 MiB and 2 GiB; 64 MiB on CPU). A call's `buffer_size_bytes` overrides it."""
+    checksum: bool = False
+    """Checksum every bucket on the sending device and verify it on the receiver. Off by default:
+    on an H200 it added 55-67% to a colocated refit (BENCHMARKS.md), over the 5% that would make
+    it worth paying on every refit; turn it on to catch corrupted transfers."""
+
+    def validate(self, prefix: str = "refit") -> None:
+        _check(self.timeout_s > 0, f"{prefix}.timeout_s", "> 0", self.timeout_s)
+        ok = isinstance(self.buffer_size_bytes, int) and self.buffer_size_bytes >= 0
+        _check(ok, f"{prefix}.buffer_size_bytes", "an int >= 0", self.buffer_size_bytes)
+
+
+@dataclass(kw_only=True, slots=True)
 class PolicyConfig:
     """Everything a `MegatronPolicyWorker` needs. Only `model_name` has no default."""
 
@@ -186,6 +207,8 @@ class PolicyConfig:
     """Sequence packing (THD bins by token budget)."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     """Token-budget micro-batches without packing."""
+    refit: RefitConfig = field(default_factory=RefitConfig)
+    """Weight hand-over to a generation engine."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -220,6 +243,7 @@ class PolicyConfig:
         self.parallel.validate()
         self.sequence_packing.validate()
         self.dynamic_batching.validate()
+        self.refit.validate()
         _check(
             not (self.sequence_packing.enabled and self.dynamic_batching.enabled),
             "dynamic_batching.enabled",

@@ -40,11 +40,13 @@ from policyworker.ops.logprobs import topk_logits
 from policyworker.parallel.dims import (
     Groups,
     ParallelDims,
-    broadcast_from_last_stage,
     check_layout,
     init_distributed,
     init_model_parallel,
 )
+from policyworker.refit.ipc import RefitReport
+from policyworker.refit.layout import RefitInfo
+from policyworker.refit.source import RefitSource
 from policyworker.train.lifecycle import (
     OpenStep,
     StepResult,
@@ -64,7 +66,7 @@ from policyworker.train.optimizer import (
     optimizer_tensors,
     wrap_ddp,
 )
-from policyworker.train.step import loss_inputs, run_microbatches
+from policyworker.train.step import forward_collect, loss_inputs
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,13 @@ class MegatronPolicyWorker:
             model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
         )
         self._step: OpenStep | None = None
+        self.refit = RefitSource(
+            lambda: global_named_parameters(model),
+            self.shape,
+            self.groups,
+            self.device,
+            config.refit,
+        )
         self.memory = Residency(
             params=lambda: [*model.parameters(), *model.buffers()],
             grads=lambda: grad_buffers(ddp),
@@ -193,9 +202,7 @@ class MegatronPolicyWorker:
             assert lp is not None
             return lp.new_zeros(()), {"logprobs": lp}
 
-        (logprobs,) = self._forward_collect(
-            data, mbs, fn, outputs={"logprobs": torch.float32}, trailing=()
-        )
+        (logprobs,) = self._forward_collect(data, mbs, fn, {"logprobs": torch.float32}, ())
         return BatchedDataDict({"logprobs": logprobs})
 
     def get_reference_policy_logprobs(
@@ -237,13 +244,8 @@ class MegatronPolicyWorker:
             vals, idx = mb.unpack(mb.gather(vals)), mb.unpack(mb.gather(idx))
             return vals.new_zeros(()), {"topk_logits": vals, "topk_indices": idx}
 
-        vals, idx = self._forward_collect(
-            data,
-            mbs,
-            fn,
-            outputs={"topk_logits": torch.float32, "topk_indices": torch.int64},
-            trailing=(k,),
-        )
+        outputs = {"topk_logits": torch.float32, "topk_indices": torch.int64}
+        vals, idx = self._forward_collect(data, mbs, fn, outputs, (k,))
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
     # --- training --------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ class MegatronPolicyWorker:
             chunk = data.slice(start, start + local_gbs)
             known = known_counts_for(loss_fn, chunk, self.groups)
             spec = StepSpec(loss_fn, local_gbs, mbs, eval_mode=eval_mode, known_counts=known)
-            self._step = open_step(self.state.ddp, self.state.optimizer, spec)
+            self._step = open_step(spec)
             self._add_chunk(chunk)
             results.append(self._finish_step())
         return self._summarize(results)
@@ -292,15 +294,13 @@ class MegatronPolicyWorker:
     def begin_train_step(
         self, loss_fn: Loss, gbs: int | None = None, mbs: int | None = None
     ) -> None:
-        """Open a step: zero the gradients. `train_microbatch` then adds chunks of this rank's
+        """Open a step (the gradients are zero). `train_microbatch` then adds chunks of this rank's
         share of the global batch (`gbs / dp` rows in all); `finish_train_step` applies it."""
         self._require_no_open_step("begin_train_step")
         self.memory.require("begin_train_step", *_TRAIN_STATE)
         gbs, mbs = self._step_sizes(gbs, mbs)
         local_gbs = self._check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
-        self._step = open_step(
-            self.state.ddp, self.state.optimizer, StepSpec(loss_fn, local_gbs, mbs)
-        )
+        self._step = open_step(StepSpec(loss_fn, local_gbs, mbs))
 
     def train_microbatch(self, data: BatchedDataDict) -> None:
         """Forward/backward a chunk (a multiple of `mbs` rows); gradients accumulate locally, with
@@ -418,6 +418,37 @@ class MegatronPolicyWorker:
             raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
         return targets[device]
 
+    # --- refit (policyworker.refit) ---------------------------------------------------------------
+
+    def prepare_refit_info(self) -> RefitInfo:
+        """`{hf_name: (shape, dtype)}` of the whole model, in the order refits send it (all
+        pipeline stages, the true vocabulary). Collective over the pipeline the first time."""
+        return self.refit.info()
+
+    def get_zmq_address(self) -> str:
+        """The ZMQ endpoint this rank's colocated receiver connects to for IPC refits."""
+        return self.refit.address
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the last refit this rank sent (0: none); each refit increments it."""
+        return self.refit.version
+
+    def stream_weights_via_ipc_zmq(
+        self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
+    ) -> RefitReport | None:
+        """Refit the receiver at `get_zmq_address()` through two shared buffers (CUDA IPC on GPU,
+        shared memory on CPU): every weight once, checksummed, applied by the receiver only when
+        complete. Collective over TP/PP; ranks with `send=False` only take part in the gathers."""
+        if not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
+            raise ValueError(f"buffer_size_bytes: expected an int >= 0, got {buffer_size_bytes!r}")
+        if refit_timeout_s is not None and not refit_timeout_s > 0:
+            raise ValueError(f"refit_timeout_s: expected > 0, got {refit_timeout_s!r}")
+        self.memory.require("stream_weights_via_ipc_zmq", "params")
+        return self.refit.stream_ipc(
+            buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
+        )
+
     # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -443,6 +474,12 @@ class MegatronPolicyWorker:
             and self.groups.cp_rank == 0,
             part=self.groups.pp_rank,
         )
+
+    def _forward_collect(
+        self, data: BatchedDataDict, mbs: int, fn: Any, *args: Any
+    ) -> list[torch.Tensor]:
+        model, device = self.state.forward_model, self.device
+        return forward_collect(model, self.plan, self.groups, device, data, mbs, fn, *args)
 
     # --- helpers ---------------------------------------------------------------------------------
 
@@ -531,36 +568,3 @@ class MegatronPolicyWorker:
         if gbs % dp or (gbs // dp) % mbs:
             raise ValueError(f"gbs: expected a multiple of dp*mbs = {dp}*{mbs}, got {gbs}")
         return gbs // dp
-
-    def _forward_collect(
-        self,
-        data: BatchedDataDict,
-        mbs: int,
-        fn: Any,
-        *,
-        outputs: dict[str, torch.dtype],
-        trailing: tuple[int, ...],
-    ) -> list[torch.Tensor]:
-        """Forward-only over micro-batches; each of `outputs` padded back to [B, S, *trailing].
-
-        Only the last pipeline stage computes them; every stage returns them (broadcast).
-        """
-        model = self.state.forward_model
-        model.eval()
-        batch = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")}).to(
-            self.device
-        )
-        microbatches = self.plan.split(batch, train=False, mbs=mbs)
-        with torch.no_grad():
-            stores = run_microbatches(model, microbatches, fn, forward_only=True)
-        b, s = data["input_ids"].shape
-        valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
-        result = []
-        for key, dtype in outputs.items():
-            out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
-            for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
-                part = st[key].cpu()
-                out[mb.rows, : part.shape[1]] = part
-            out[~valid] = 0
-            result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
-        return result

@@ -25,8 +25,9 @@ from tqdm import tqdm
 from policyworker.config import OptimizerConfig, PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.demo.config import DemoConfig, DemoInputs, load_inputs
-from policyworker.demo.sampler import HFSampler, Samples
-from policyworker.demo.task import Example, addition_examples, noisy_labels, reward
+from policyworker.demo.task import Example, addition_examples, encode_prompt, noisy_labels, reward
+from policyworker.generation.engine import Samples
+from policyworker.generation.process import GenerationProcess
 from policyworker.losses import ClippedPGLoss, NLLLoss
 from policyworker.worker import MegatronPolicyWorker
 
@@ -124,9 +125,19 @@ class Run:
         self.worker = MegatronPolicyWorker(policy, tokenizer=self.tokenizer)
         if self.worker.device.type == "cuda":  # a memory line per phase (DEBUG level)
             logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
-        self.sampler = HFSampler(str(model_dir), self.tokenizer, device=self.worker.device)
+        # The sampler: a transformers engine in its own process, refitted over IPC.
+        self.sampler = GenerationProcess(
+            str(model_dir),
+            self.worker.prepare_refit_info(),
+            tokenizer=self.tokenizer,
+            device=str(self.worker.device),
+        )
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.metrics_file.close()
 
     def draw(self, n: int) -> list[Example]:
         if self.examples is None:
@@ -144,7 +155,7 @@ class Run:
         if self.examples is None:
             examples = noisy_labels(self.rng, examples, cfg.sft_wrong_fraction)
         tok = self.tokenizer
-        prompts = [self.sampler.encode_prompt(e.prompt) for e in examples]
+        prompts = [encode_prompt(tok, e.prompt) for e in examples]
         answers = [
             tok(e.answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             for e in examples
@@ -168,7 +179,11 @@ class Run:
         # The colocated order: free the trainer's device memory around the weight hand-over,
         # generate, then take it back for logprobs and training.
         self.worker.offload_before_refit()
-        self.sampler.load_weights(self.worker.export_hf_weights())  # refit
+        start = time.perf_counter()
+        self.sampler.begin_refit_ipc(self.worker.get_zmq_address())
+        self.worker.stream_weights_via_ipc_zmq()
+        version = self.sampler.end_refit()  # the version the sampler applied
+        refit_s = time.perf_counter() - start
         self.worker.offload_after_refit()
         samples = self.sampler.sample(
             [e.prompt for e in examples],
@@ -200,6 +215,8 @@ class Run:
             "step": step,
             "phase": "grpo",
             "reward_mean": statistics.fmean(rewards),
+            "refit_s": refit_s,
+            "weight_version": version,
             **{k: m[k] for k in keep if k in m},
         }
 
@@ -208,6 +225,27 @@ def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:
     """Run SFT then GRPO; write metrics.jsonl, metrics.png and the final HF export under cfg.out."""
     start = time.time()
     run = Run(cfg, load_inputs(cfg) if inputs is None else inputs)
+    try:
+        _steps(run, cfg)
+    finally:
+        run.close()
+    run.worker.save_hf_pretrained(run.out / "hf")
+    from policyworker.demo.plot import plot_metrics
+
+    plot_metrics(run.history, run.out / "metrics.png")
+    rewards = [r["reward_mean"] for r in run.history if r["phase"] == "grpo"]
+    if len(rewards) >= 10:
+        log.info(
+            "reward: first 5 GRPO steps %.3f, last 5 %.3f",
+            statistics.fmean(rewards[:5]),
+            statistics.fmean(rewards[-5:]),
+        )
+    log.info("demo finished in %.1f s; outputs in %s", time.time() - start, run.out)
+    return run.history
+
+
+def _steps(run: Run, cfg: DemoConfig) -> None:
+    """The SFT steps, then the GRPO steps, with a progress bar and a line per step."""
     total = cfg.sft_steps + cfg.grpo_steps
     bar = tqdm(total=total, desc="demo", unit="step", dynamic_ncols=True)
     for step in range(cfg.sft_steps):
@@ -228,17 +266,3 @@ def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:
             f"grpo step {row['step']:4d}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}"
         )
     bar.close()
-    run.metrics_file.close()
-    run.worker.save_hf_pretrained(run.out / "hf")
-    from policyworker.demo.plot import plot_metrics
-
-    plot_metrics(run.history, run.out / "metrics.png")
-    rewards = [r["reward_mean"] for r in run.history if r["phase"] == "grpo"]
-    if len(rewards) >= 10:
-        log.info(
-            "reward: first 5 GRPO steps %.3f, last 5 %.3f",
-            statistics.fmean(rewards[:5]),
-            statistics.fmean(rewards[-5:]),
-        )
-    log.info("demo finished in %.1f s; outputs in %s", time.time() - start, run.out)
-    return run.history

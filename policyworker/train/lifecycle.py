@@ -8,7 +8,7 @@ Normalization. A loss divides by global counts (tokens or sequences over the who
 and all DP ranks), which a streaming caller does not know until the last chunk. So a step whose
 loss has one `normalizer` evaluates the loss with every count at 1 — the backward accumulates
 plain sums into megatron's fp32 grad buffers — and `finish_step` divides the gradients by the
-global count once all chunks are in. A loss whose terms divide by different counts (ClippedPG's
+global count once all chunks are in (inside the fused Adam kernel, with the clip). A loss whose terms divide by different counts (ClippedPG's
 positive-example NLL) cannot be rescaled after the fact: `train()` gives it the counts up front,
 split-step training refuses it. Metrics are always recomputed at finish from each micro-batch's
 detached loss inputs with the true counts, so they equal a step that knew the counts.
@@ -17,7 +17,8 @@ Gradients are never reduced over DP before `finish_step`: the schedule is given 
 `finalize_model_grads_func` (see `train.optimizer.wrap_ddp`), and `finish_step` runs megatron's
 `finalize_model_grads` itself (DP reduce, tied embeddings, sequence-parallel norms). No megatron
 hook is swapped in or out, so an abort has nothing to restore. Outside a step the grad buffers
-are zero (a step zeroes them at its start and end, an abort zeroes them).
+are zero (a step and an abort zero them when they end, and freed gradients come back as zeros),
+so a step opens without clearing them.
 """
 
 from __future__ import annotations
@@ -87,16 +88,14 @@ class OpenStep:
         return self.spec.known_counts
 
 
-def open_step(ddp: torch.nn.Module, optimizer: Any, spec: StepSpec) -> OpenStep:
-    """Zero the gradients and open a step."""
+def open_step(spec: StepSpec) -> OpenStep:
+    """Open a step (refusing a loss it cannot normalize)."""
     if spec.known_counts is None and spec.loss_fn.normalizer is None:
         raise ValueError(
             f"loss_fn: {type(spec.loss_fn).__name__} divides its terms by different counts, so "
             "its gradient cannot be normalized after the fact; use train() for it"
         )
-    if not spec.eval_mode:
-        zero_grads(ddp, optimizer)
-    return OpenStep(spec=spec)
+    return OpenStep(spec=spec)  # the gradients are zero outside a step: nothing to clear
 
 
 def add_chunk(
@@ -159,11 +158,14 @@ def finish_step(
     if spec.eval_mode:
         return StepResult(metrics=metrics, grad_norm=0.0, applied=False, skipped=False, lr=lr)
     finalize_model_grads([ddp], num_tokens=None)
+    divisor = 1.0
     if spec.known_counts is None:
         normalizer = spec.loss_fn.normalizer
         assert normalizer is not None  # open_step refused the others
-        ddp.scale_gradients(1.0 / (float(counts[normalizer]) + EPS))
-    applied, grad_norm = optimizer_step(optimizer, max_grad_norm=max_grad_norm, device=device)
+        divisor = float(counts[normalizer]) + EPS  # applied inside the optimizer's kernel
+    applied, grad_norm = optimizer_step(
+        optimizer, max_grad_norm=max_grad_norm, device=device, grad_divisor=divisor
+    )
     if applied:
         scheduler.step(increment=1)
     else:

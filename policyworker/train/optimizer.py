@@ -86,9 +86,17 @@ def _use_fused_adamw(optimizer: MegatronOptimizer) -> None:
 
 @torch.no_grad()
 def optimizer_step(
-    optimizer: MegatronOptimizer, *, max_grad_norm: float, device: torch.device
+    optimizer: MegatronOptimizer,
+    *,
+    max_grad_norm: float,
+    device: torch.device,
+    grad_divisor: float = 1.0,
 ) -> tuple[bool, float]:
     """Clip by the global grad norm and step; returns (applied, grad norm before clipping).
+
+    The gradients in the buffers are `grad_divisor` times the true ones (a step normalized after
+    the fact, `train.lifecycle`): the division is folded into the same `grad_scale` as the clip,
+    so it costs no pass over the gradients.
 
     The phases of megatron's own `step()`, on its optimizer, with torch's multi-tensor ops: without
     TE/apex megatron's helpers loop per tensor (its l2 norm syncs the host once per tensor, its
@@ -100,11 +108,12 @@ def optimizer_step(
     parts = optimizer_parts(optimizer)
     for part in parts:
         part.prepare_grads()  # main params' .grad <- DDP's fp32 main_grad (views, no copy)
-    norm = global_grad_norm(parts, device)
+    norm = global_grad_norm(parts, device) / grad_divisor
     if not math.isfinite(norm):
         return False, norm
-    divisor = (norm + 1.0e-6) / max_grad_norm if max_grad_norm > 0 else 1.0
-    grad_scale = torch.full((), divisor, device=device) if divisor > 1.0 else None
+    clip = (norm + 1.0e-6) / max_grad_norm if max_grad_norm > 0 else 1.0
+    divisor = grad_divisor * max(clip, 1.0)
+    grad_scale = torch.full((), divisor, device=device) if divisor != 1.0 else None
     for part in parts:
         torch_opt = part.optimizer
         torch_opt.grad_scale = grad_scale  # type: ignore[attr-defined]  # read by Adam.step

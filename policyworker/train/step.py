@@ -20,7 +20,7 @@ from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossInputs, LossNeeds
 from policyworker.model.build import batch_major_logits
 from policyworker.ops.logprobs import index_logprobs, vocab_parallel_entropy
-from policyworker.parallel.dims import Groups
+from policyworker.parallel.dims import Groups, broadcast_from_last_stage
 
 log = logging.getLogger(__name__)
 
@@ -145,3 +145,37 @@ def sum_over_dp(
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(stacked, group=dp_group)
     return dict(zip(names, stacked.unbind(), strict=True))
+
+
+def forward_collect(
+    model: torch.nn.Module,
+    plan: MicrobatchPlan,
+    groups: Groups,
+    device: torch.device,
+    data: BatchedDataDict,
+    mbs: int,
+    fn: MicrobatchFn,
+    outputs: dict[str, torch.dtype],
+    trailing: tuple[int, ...],
+) -> list[torch.Tensor]:
+    """Forward-only over micro-batches; each of `outputs` (per-row tensors that `fn` returns as
+    metrics) assembled on CPU as [B, S, *trailing], 0 past each length.
+
+    Only the last pipeline stage computes them; every stage returns them (broadcast).
+    """
+    model.eval()
+    batch = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")}).to(device)
+    microbatches = plan.split(batch, train=False, mbs=mbs)
+    with torch.no_grad():
+        stores = run_microbatches(model, microbatches, fn, forward_only=True)
+    b, s = data["input_ids"].shape
+    valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
+    result = []
+    for key, dtype in outputs.items():
+        out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
+        for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
+            part = st[key].cpu()
+            out[mb.rows, : part.shape[1]] = part
+        out[~valid] = 0
+        result.append(broadcast_from_last_stage(out, groups, device=device))
+    return result

@@ -1,16 +1,16 @@
-"""A simple in-process generation engine: a transformers model that receives the worker's weights.
+"""A small generation engine: a transformers causal LM that samples and scores.
 
-Stands in for vLLM/SGLang in the demo: `load_weights` is the refit (the worker's HF export copied
-into the engine's parameters), `sample` draws a group of responses and their generation logprobs.
+It stands in for vLLM/SGLang: `GenerationProcess` runs one in its own process and refits it
+through `policyworker.refit` (its `refit_targets` are the tensors a refit writes); `sample` draws
+responses with their generation logprobs, `logprobs` scores sequences with the worker's alignment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from policyworker.demo.task import encode_prompt
 
@@ -25,37 +25,48 @@ class Samples:
     texts: list[str]
 
 
-class HFSampler:
+class HFEngine:
     """Sampling with temperature from a transformers causal LM (no top-k / top-p filtering)."""
 
     def __init__(
-        self, model_dir: str, tokenizer: PreTrainedTokenizerBase, *, device: torch.device
+        self,
+        model_dir: str,
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        load_weights: bool = True,
     ) -> None:
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-        )
+        """`load_weights=False`: random weights of the folder's config (a refit brings them)."""
+        if load_weights:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        else:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer
         self.device = device
 
+    def refit_targets(self, names: set[str]) -> dict[str, torch.Tensor]:
+        """The parameters a refit of `names` writes (a tied lm_head shares the embedding)."""
+        state = self.model.state_dict(keep_vars=True)
+        return {n: state[n] for n in names if n in state}
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Refit: copy HF-named tensors into the engine's parameters."""
-        params = dict(self.model.named_parameters())
-        seen = set()
-        for name, tensor in weights:
-            params[name].copy_(tensor)
-            seen.add(name)
-        if self.model.config.tie_word_embeddings:
-            seen.add("lm_head.weight")
-        missing = set(params) - seen
-        if missing:
-            raise ValueError(f"refit is missing {sorted(missing)[:5]}")
+    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, S] log p(token_i | tokens_<i) of right-padded rows; 0 at 0 and past the length."""
+        ids, lengths = input_ids.to(self.device), lengths.to(self.device)
+        mask = (torch.arange(ids.shape[1], device=self.device)[None, :] < lengths[:, None]).long()
+        logits = self.model(ids, attention_mask=mask).logits.float()
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return (torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1) * mask).cpu()
 
     @torch.no_grad()
     def sample(
         self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, seed: int
     ) -> Samples:
         tok = self.tokenizer
+        assert tok is not None, "sampling needs the engine's tokenizer"
         encoded = [self.encode_prompt(p) for p in prompts for _ in range(n)]
         width = max(len(e) for e in encoded)
         pad = tok.pad_token_id

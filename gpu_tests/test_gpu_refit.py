@@ -1,0 +1,57 @@
+"""GPU checks of the IPC refit (run on the device, not in CI): CUDA IPC buffers into a
+generation process on the same GPU, bf16, bitwise; the checksum on the device.
+
+python -m pytest -q gpu_tests/test_gpu_refit.py
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from helpers import make_batch, make_hf_model
+from test_gpu_parity import MEDIUM
+from test_refit import send_tampered
+
+from policyworker.config import OptimizerConfig, PolicyConfig
+from policyworker.generation.process import GenerationProcess
+from policyworker.losses import NLLLoss
+from policyworker.refit.layout import RefitError
+from policyworker.worker import MegatronPolicyWorker
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU tests need CUDA", allow_module_level=True)
+
+
+def test_cuda_ipc_refit_is_exact_and_the_checksum_catches_a_flip(tmp_path):
+    folder = make_hf_model(tmp_path, "llama", **MEDIUM)
+    cfg = PolicyConfig(
+        model_name=str(folder),
+        precision="bfloat16",
+        train_global_batch_size=4,
+        train_micro_batch_size=2,
+        max_total_sequence_length=128,
+        optimizer=OptimizerConfig(lr=1e-3),
+    )
+    worker = MegatronPolicyWorker(cfg)
+    worker.train(make_batch(batch=4, seq=100, vocab=1024), NLLLoss())
+    info = worker.prepare_refit_info()
+    with GenerationProcess(str(folder), info, device="cuda:0") as gen:
+        for version in (1, 2):
+            gen.begin_refit_ipc(worker.get_zmq_address())
+            report = worker.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20)
+            assert gen.end_refit() == report.version == version and report.buckets > 1
+            got = gen.weights()
+            assert all(torch.equal(got[n], t.cpu()) for n, t in worker.export_hf_weights())
+        gen.begin_refit_ipc(worker.get_zmq_address())
+
+        def flip(buffer):
+            buffer[7] ^= 4
+
+        with pytest.raises(RefitError, match="checksum"):
+            send_tampered(worker, flip, bucket_bytes=1 << 20, timeout_s=30, version=3)
+        with pytest.raises(RefitError, match="checksum"):
+            gen.end_refit()
+        assert gen.version() == 2

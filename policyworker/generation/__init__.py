@@ -1,0 +1,1 @@
+"""A generation engine (transformers) and the process that hosts it, refitted by the worker."""

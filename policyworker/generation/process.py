@@ -1,0 +1,174 @@
+"""An `HFEngine` in its own process, refitted over IPC like a colocated vLLM/SGLang worker.
+
+    gen = GenerationProcess(model_dir, worker.prepare_refit_info(), tokenizer=tok)
+    gen.begin_refit_ipc(worker.get_zmq_address())   # the engine starts receiving
+    worker.stream_weights_via_ipc_zmq()             # the trainer streams
+    version = gen.end_refit()                       # the engine's verdict: the version it applied
+    samples = gen.sample(prompts, n=8, max_new_tokens=16, temperature=1.0, seed=0)
+
+Commands travel over a pipe; each has a deadline, and a dead process is an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from policyworker.refit.layout import RefitError, RefitInfo
+
+_START_TIMEOUT_S = 300.0  # importing torch and transformers, loading the model
+
+
+def tensor_sums(t: torch.Tensor) -> tuple[float, float]:
+    d = t.detach().double()
+    return float(d.sum()), float(d.square().sum())
+
+
+class EngineError(RuntimeError):
+    """The generation process failed a command (its traceback is in the message) or died."""
+
+
+class GenerationProcess:
+    """The parent's handle on a generation process."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        info: RefitInfo,
+        *,
+        tokenizer: Any = None,
+        device: str = "cpu",
+        timeout_s: float = 120.0,
+        load_weights: bool = True,
+    ) -> None:
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(child, model_dir, info, tokenizer, device, load_weights),
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._wait(_START_TIMEOUT_S, "start")
+        self._refit_pending = False
+
+    def begin_refit_ipc(self, address: str, timeout_s: float | None = None) -> None:
+        """Start receiving a refit from the trainer bound at `address`; returns at once."""
+        self._conn.send(("refit_ipc", (address, timeout_s or self.timeout_s)))
+        self._refit_pending = True
+
+    def end_refit(self) -> int:
+        """The version the engine applied; `RefitError` if the refit failed (weights unchanged)."""
+        self._refit_pending = False
+        return self._wait(self.timeout_s * 2, "refit")
+
+    def sample(self, prompts: list[str], **kwargs: Any) -> Any:
+        return self._call("sample", (prompts,), kwargs)
+
+    def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self._call("logprobs", (input_ids, lengths), {})
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the engine's refitted tensors (for checks)."""
+        return self._call("weights", (), {})
+
+    def weight_sums(self) -> dict[str, tuple[float, float]]:
+        """Per tensor, the float64 sum and sum of squares, computed where the weights live (a
+        cheap check of a large model, where `weights()` would copy it through the pipe)."""
+        return self._call("weight_sums", (), {})
+
+    def version(self) -> int | None:
+        return self._call("version", (), {})
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self._conn.send(("close", ()))
+            self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+    def kill(self) -> None:
+        """SIGKILL the process (tests: a receiver that dies mid-refit)."""
+        self._proc.kill()
+        self._proc.join()
+
+    def __enter__(self) -> GenerationProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self._refit_pending:
+            raise EngineError(f"{name}: a refit is in progress; end_refit() first")
+        self._conn.send((name, (args, kwargs)))
+        return self._wait(self.timeout_s, name)
+
+    def _wait(self, timeout_s: float, what: str) -> Any:
+        if not self._conn.poll(timeout_s):
+            alive = "is alive" if self._proc.is_alive() else "has died"
+            raise EngineError(f"generation process: no answer to {what} in {timeout_s} s ({alive})")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise EngineError(f"generation process died during {what}") from None
+        if status == "refit_error":
+            raise RefitError(value)
+        if status == "error":
+            raise EngineError(f"generation process failed {what}:\n{value}")
+        return value
+
+
+def _serve(
+    conn: Connection,
+    model_dir: str,
+    info: RefitInfo,
+    tokenizer: Any,
+    device: str,
+    load_weights: bool,
+) -> None:
+    """The process: build the engine and its staging area, then answer commands until close."""
+    from policyworker.generation.engine import HFEngine
+    from policyworker.refit.ipc import receive_ipc
+    from policyworker.refit.receiver import Staging
+
+    dtypes = {dtype for _, dtype in info.values()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    engine = HFEngine(
+        model_dir, tokenizer, device=torch.device(device), dtype=dtype, load_weights=load_weights
+    )
+    staging = Staging(info, engine.refit_targets(set(info)))
+    conn.send(("ok", None))
+    handlers = {
+        "sample": lambda args, kw: engine.sample(*args, **kw),
+        "logprobs": lambda args, kw: engine.logprobs(*args, **kw),
+        "weights": lambda args, kw: {
+            n: t.detach().cpu().clone() for n, t in staging.targets.items()
+        },
+        "weight_sums": lambda args, kw: {n: tensor_sums(t) for n, t in staging.targets.items()},
+        "version": lambda args, kw: staging.version,
+    }
+    while True:
+        name, payload = conn.recv()
+        if name == "close":
+            return
+        try:
+            if name == "refit_ipc":
+                address, timeout_s = payload
+                conn.send(("ok", receive_ipc(staging, address=address, timeout_s=timeout_s)))
+            else:
+                conn.send(("ok", handlers[name](*payload)))
+        except RefitError as e:
+            conn.send(("refit_error", str(e)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))

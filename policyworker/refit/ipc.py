@@ -1,0 +1,226 @@
+"""Colocated refit: buckets through two shared buffers, a ZMQ REQ/REP handshake per bucket.
+
+Sender (the trainer, REQ, binds `address`):
+
+    for each bucket: pack it into buffer (k % 2)  [a bucket larger than a buffer: its own buffer]
+                     checksum it on the device; wait for the ack of bucket k-1; send its header
+    send "complete"; wait for the receiver's verdict
+
+Packing bucket k overlaps the receiver's copy of bucket k-1, and a buffer is reused only after the
+ack of the bucket it held (bucket k-2). Receiver (REP, connects): maps the buffer, stages and
+verifies the bucket (`receiver.Staging`), acks; on "complete" checks that every name arrived once
+and applies the refit. Every wait has a deadline; an error on either side is answered to the
+other (when it is still there) and raised as `RefitError`. The messages are in docs/refit.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+
+from policyworker.refit.buffers import MappedBuffer, SharedBuffer
+from policyworker.refit.layout import Bucket, Layout, RefitError, checksum
+from policyworker.refit.receiver import Staging, dtype_name
+
+
+@dataclass(frozen=True, slots=True)
+class RefitReport:
+    """What a refit moved, as the sender saw it."""
+
+    version: int
+    bytes: int
+    seconds: float
+    names: int
+    buckets: int
+    checksum: bool
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-12) / 1e9
+
+
+def _socket(kind: int, timeout_s: float) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    ms = max(1, int(timeout_s * 1000))
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, ms)
+    sock.setsockopt(zmq.SNDTIMEO, ms)
+    return sock
+
+
+def _request(sock: zmq.Socket, message: dict[str, Any], what: str, peer: str) -> dict[str, Any]:
+    """Send and wait for the answer; a silent or refusing receiver is a `RefitError`."""
+    try:
+        sock.send_pyobj(message)
+        reply = sock.recv_pyobj()
+    except zmq.Again:
+        raise RefitError(
+            f"refit: the receiver at {peer} did not answer {what} in time (timeout)"
+        ) from None
+    if not reply.get("ok"):
+        raise RefitError(f"refit: the receiver at {peer} refused {what}: {reply.get('error')}")
+    return reply
+
+
+class _Pending:
+    """The header of a packed bucket whose send waits for the previous bucket's ack."""
+
+    def __init__(self, header: dict[str, Any], buffer: SharedBuffer, own: bool) -> None:
+        self.header, self.buffer, self.own = header, buffer, own
+
+
+def send_ipc(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    layout: Layout,
+    *,
+    address: str,
+    version: int,
+    timeout_s: float,
+    use_checksum: bool,
+    device: torch.device,
+    tamper: Callable[[torch.Tensor], None] | None = None,
+) -> RefitReport:
+    """Stream `tensors` (in `layout` order) to the receiver connected at `address`.
+
+    `tamper` (tests only) may change a packed buffer after its checksum was taken.
+    """
+    start = time.perf_counter()
+    # Two buffers of the largest regular bucket (at most the bucket size); larger tensors get
+    # a buffer of their own.
+    assert layout.bucket_bytes is not None
+    size = max((b.nbytes for b in layout.buckets if b.nbytes <= layout.bucket_bytes), default=0)
+    buffers = [SharedBuffer(size, device) for _ in range(2)] if size else []
+    sock = _socket(zmq.REQ, timeout_s)
+    sock.bind(address)
+    pending: _Pending | None = None
+    try:
+        for bucket in layout.buckets:
+            own = bucket.nbytes > size
+            buf = SharedBuffer(bucket.nbytes, device) if own else buffers[bucket.index % 2]
+            try:
+                header = _pack(bucket, buf, tensors, version, use_checksum, device)
+                if tamper is not None:
+                    tamper(buf.tensor)
+                if pending is not None:
+                    _send(sock, pending, address)
+            except BaseException:
+                if own:
+                    buf.close()
+                raise
+            pending = _Pending(header, buf, own)
+        if pending is not None:
+            last, pending = pending, None
+            _send(sock, last, address)
+        done = {"type": "complete", "version": version, "names": len(layout.slots)}
+        _request(sock, done, "the end of the refit", address)
+    finally:
+        sock.close()
+        if pending is not None and pending.own:
+            pending.buffer.close()  # packed but never sent (idempotent when it was)
+        for buf in buffers:
+            buf.close()
+    return RefitReport(
+        version=version,
+        bytes=layout.total,
+        seconds=time.perf_counter() - start,
+        names=len(layout.slots),
+        buckets=len(layout.buckets),
+        checksum=use_checksum,
+    )
+
+
+def _send(sock: zmq.Socket, pending: _Pending, peer: str) -> None:
+    try:
+        _request(sock, pending.header, f"bucket {pending.header['index']}", peer)
+    finally:
+        if pending.own:
+            pending.buffer.close()
+
+
+def _pack(
+    bucket: Bucket,
+    buf: SharedBuffer,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    version: int,
+    use_checksum: bool,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Copy the bucket's tensors into `buf` at their layout offsets; its header."""
+    for slot in bucket.slots:
+        name, tensor = next(tensors)
+        if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise RefitError(
+                f"refit info: the model gives {name} {tuple(tensor.shape)} {tensor.dtype}, the "
+                f"refit info says {slot.name} {slot.shape} {slot.dtype}"
+            )
+        slot.view(buf.tensor, base=bucket.start).copy_(tensor)
+    data = buf.tensor[: bucket.nbytes]
+    total = checksum(data) if use_checksum else None  # syncs the device when computed
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the bytes are there before the header
+    return {
+        "type": "bucket",
+        "version": version,
+        "index": bucket.index,
+        "buffer": buf.handle(),
+        "start": bucket.start,
+        "end": bucket.end,
+        "slots": [
+            (s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in bucket.slots
+        ],
+        "checksum": total,
+    }
+
+
+def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
+    """One refit from the sender bound at `address` into `staging`; returns its version.
+
+    Raises `RefitError` (after answering the sender, if it is there) on a timeout, a mismatch or
+    a failed checksum; the live weights then stay at the previous version.
+    """
+    sock = _socket(zmq.REP, timeout_s)
+    sock.connect(address)
+    mapped: dict[str, MappedBuffer] = {}
+    try:
+        while True:
+            message = _receive(sock, address, staging.version)
+            try:
+                if message["type"] == "complete":
+                    staging.commit(message["version"])
+                    sock.send_pyobj({"ok": True, "version": message["version"]})
+                    return message["version"]
+                if message["index"] == 0:
+                    staging.begin(message["version"])
+                buf = _mapped(mapped, message["buffer"])
+                staging.stage(message, buf.tensor)
+                sock.send_pyobj({"ok": True})
+            except RefitError as e:
+                sock.send_pyobj({"ok": False, "error": str(e)})
+                raise
+    finally:
+        for buf in mapped.values():
+            buf.close()
+        sock.close()
+
+
+def _receive(sock: zmq.Socket, peer: str, version: int | None) -> dict[str, Any]:
+    try:
+        return sock.recv_pyobj()
+    except zmq.Again:
+        raise RefitError(
+            f"refit: no message from the trainer at {peer} in time (timeout); the live weights "
+            f"are unchanged (version {version})"
+        ) from None
+
+
+def _mapped(cache: dict[str, MappedBuffer], handle: dict[str, Any]) -> MappedBuffer:
+    """Map each distinct buffer once per refit (the two ping-pong buffers come back often)."""
+    key = repr(handle.get("path") or handle.get("args"))
+    if key not in cache:
+        cache[key] = MappedBuffer(handle)
+    return cache[key]

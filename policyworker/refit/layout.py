@@ -1,0 +1,117 @@
+"""What a refit carries and where each tensor sits: refit info, the byte layout, buckets, checksums.
+
+Refit info is `{hf_name: (shape, dtype)}` of the whole model in the Hugging Face layout, in the
+order the sender sends. Both sides derive the same `Layout` from it: every tensor at a 512-byte
+aligned offset of one flat byte range, cut into buckets of at most `bucket_bytes` (a tensor larger
+than that is a bucket of its own). A bucket's bytes are `layout[start:end]`, so the receiver stages
+a whole bucket with one copy and the checksum covers exactly what was staged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 512
+
+RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class RefitError(RuntimeError):
+    """A refit that did not complete: a peer that died or timed out, a rejected bucket, a
+    mismatch with the refit info. The receiver's live weights are unchanged."""
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    nbytes: int
+
+    def view(self, flat: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """This tensor inside `flat` (uint8) whose first byte is layout offset `base`."""
+        start = self.offset - base
+        return flat[start : start + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    index: int
+    slots: tuple[Slot, ...]
+    start: int
+    end: int
+    """Layout bytes [start, end): the slots and their alignment padding."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+class Layout:
+    """Slots and buckets of a refit info, the same on sender and receiver."""
+
+    def __init__(self, info: RefitInfo, bucket_bytes: int | None) -> None:
+        """`bucket_bytes=None`: slots only (a receiver does not cut buckets)."""
+        if bucket_bytes is not None and bucket_bytes < ALIGN:
+            raise ValueError(f"buffer_size_bytes: expected >= {ALIGN}, got {bucket_bytes}")
+        self.info = dict(info)
+        self.bucket_bytes = bucket_bytes
+        self.slots: dict[str, Slot] = {}
+        offset = 0
+        for name, (shape, dtype) in info.items():
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            self.slots[name] = Slot(name, tuple(shape), dtype, offset, nbytes)
+            offset += _round_up(nbytes)
+        self.total = offset
+        self.buckets = [] if bucket_bytes is None else _cut(list(self.slots.values()), bucket_bytes)
+        self.largest_bucket = max((b.nbytes for b in self.buckets), default=0)
+
+
+def _cut(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
+    buckets: list[Bucket] = []
+    group: list[Slot] = []
+
+    def close() -> None:
+        if group:
+            end = group[-1].offset + _round_up(group[-1].nbytes)
+            buckets.append(Bucket(len(buckets), tuple(group), group[0].offset, end))
+            group.clear()
+
+    for slot in slots:
+        if group and slot.offset + _round_up(slot.nbytes) - group[0].offset > bucket_bytes:
+            close()
+        group.append(slot)
+    close()
+    return buckets
+
+
+def checksum(data: torch.Tensor) -> int:
+    """Sum of the bytes as int64 words (wrapping): one changed byte changes it. `data` is uint8
+    of a multiple of 8 bytes (buckets are 512-byte aligned); computed where `data` lives, in one
+    read and no temporary (an int32 view summed in int64 would first copy it at twice the size)."""
+    return int(data.view(torch.int64).sum())
+
+
+def check_targets(info: RefitInfo, targets: Mapping[str, torch.Tensor]) -> None:
+    """The receiver's tensors must be exactly the refit info's names, shapes and dtypes."""
+    missing, extra = sorted(set(info) - set(targets)), sorted(set(targets) - set(info))
+    if missing or extra:
+        raise ValueError(
+            f"refit info: the receiver's weights differ in names (not received: {missing[:3]}, "
+            f"not sent: {extra[:3]})"
+        )
+    for name, (shape, dtype) in info.items():
+        t = targets[name]
+        if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+            raise ValueError(
+                f"refit info: {name} is sent as {tuple(shape)} {dtype}, the receiver holds "
+                f"{tuple(t.shape)} {t.dtype}"
+            )

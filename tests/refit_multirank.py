@@ -1,0 +1,46 @@
+"""An IPC refit from a TP2 or PP2 trainer (two gloo ranks) into one generation process, for
+tests/test_refit.py. Rank 0 hosts the receiver and sends; rank 1 only takes part in the gathers.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/refit_multirank.py MODEL OUT.pt TP PP
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from policyworker.config import ParallelConfig, PolicyConfig
+from policyworker.generation.process import GenerationProcess
+from policyworker.worker import MegatronPolicyWorker
+
+
+def main() -> None:
+    model, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    cfg = PolicyConfig(
+        model_name=model,
+        precision="float32",
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+    )
+    worker = MegatronPolicyWorker(cfg)
+    info = worker.prepare_refit_info()
+    sender = dist.get_rank() == 0
+    gen = GenerationProcess(model, info) if sender else None
+    if gen is not None:
+        gen.begin_refit_ipc(worker.get_zmq_address())
+    report = worker.stream_weights_via_ipc_zmq(buffer_size_bytes=8192, send=sender)
+    if gen is not None:
+        version = gen.end_refit()
+        torch.save(
+            {"info": info, "weights": gen.weights(), "version": version, "report": report}, out
+        )
+        gen.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Refit peers for tests/test_refit.py that run in their own process (spawned). This module
+imports no megatron, so a spawned peer starts in about a second."""
+
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from policyworker.refit.ipc import send_ipc
+from policyworker.refit.layout import Layout
+
+
+def dying_trainer(model_dir: str, info, address: str, bucket_bytes: int, ready, go) -> None:
+    """A sender that exits abruptly (no cleanup, like a SIGKILL) while packing its third bucket."""
+    weights = load_file(os.path.join(model_dir, "model.safetensors"))
+    ready.set()
+    go.wait(60)
+    count = []
+
+    def die(buffer: torch.Tensor) -> None:
+        count.append(1)
+        if len(count) == 3:
+            os._exit(1)
+
+    send_ipc(
+        ((n, weights[n]) for n in info),
+        Layout(info, bucket_bytes),
+        address=address,
+        version=1,
+        timeout_s=30,
+        use_checksum=True,
+        device=torch.device("cpu"),
+        tamper=die,
+    )

@@ -1,0 +1,212 @@
+"""Refit over IPC into a generation process: refit info, the layout, exact weights and logprobs,
+versions, the checksum, dead peers on either side, mismatched refit info, bad arguments."""
+
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_worker
+from helpers import make_batch, make_hf_model
+from refit_peers import dying_trainer
+from safetensors.torch import load_file
+
+from policyworker.config import OptimizerConfig, RefitConfig
+from policyworker.generation.engine import HFEngine
+from policyworker.generation.process import GenerationProcess
+from policyworker.losses import NLLLoss
+from policyworker.model.build import global_named_parameters
+from policyworker.refit.export import model_tensors
+from policyworker.refit.ipc import send_ipc
+from policyworker.refit.layout import ALIGN, Layout, RefitError
+
+SMALL_BUFFER = 8192  # several buckets, and tensors larger than a buffer, on the tiny model
+
+
+def send_tampered(worker, tamper, *, bucket_bytes: int, timeout_s: float, version: int = 1):
+    """The worker's refit, checksummed, through `send_ipc` with a hook called on every packed
+    buffer (to corrupt it, or to kill the receiver at a chosen bucket)."""
+    src = worker.refit
+    info = src.info()
+    params = global_named_parameters(worker.state.model)
+    send_ipc(
+        model_tensors(params, src.shape, src.groups, info, src._owners, src.device),
+        Layout(info, bucket_bytes),
+        address=worker.get_zmq_address(),
+        version=version,
+        timeout_s=timeout_s,
+        use_checksum=True,
+        device=worker.device,
+        tamper=tamper,
+    )
+
+
+def test_refit_info_is_the_export_in_order(llama_dir):
+    worker = make_worker(llama_dir)
+    info = worker.prepare_refit_info()
+    exported = list(worker.export_hf_weights())
+    assert list(info) == [n for n, _ in exported]
+    for name, tensor in exported:
+        assert info[name] == (tuple(tensor.shape), tensor.dtype)
+    assert info["model.embed_tokens.weight"][0][0] == worker.shape.vocab_size
+
+
+def test_layout_aligns_every_tensor_and_covers_it_once(llama_dir):
+    info = make_worker(llama_dir).prepare_refit_info()
+    layout = Layout(info, SMALL_BUFFER)
+    names = [s.name for b in layout.buckets for s in b.slots]
+    assert names == list(info)
+    for b in layout.buckets:
+        assert b.start % ALIGN == 0 and b.end % ALIGN == 0
+        assert b.nbytes <= SMALL_BUFFER or len(b.slots) == 1  # larger tensors travel alone
+    assert any(b.nbytes > SMALL_BUFFER for b in layout.buckets)
+    assert all(s.offset % ALIGN == 0 for s in layout.slots.values())
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["default", "checksummed"])
+def test_ipc_refit_is_exact_and_versioned(llama_dir, checksum):
+    refit = RefitConfig(checksum=checksum)
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), refit=refit)
+    data = make_batch(batch=4, seq=12)
+    info = worker.prepare_refit_info()
+    local = HFEngine(str(llama_dir), None, device=torch.device("cpu"))
+    with GenerationProcess(str(llama_dir), info) as gen:
+        assert gen.version() is None
+        for version in (1, 2):
+            worker.train(data, NLLLoss())  # new weights for each refit
+            gen.begin_refit_ipc(worker.get_zmq_address())
+            report = worker.stream_weights_via_ipc_zmq(buffer_size_bytes=SMALL_BUFFER)
+            assert gen.end_refit() == report.version == worker.weight_version == version
+            assert report.names == len(info) and report.buckets > 1
+            assert report.checksum == checksum
+            got, sent = gen.weights(), dict(worker.export_hf_weights())
+            assert got.keys() == sent.keys()
+            assert all(torch.equal(got[n], sent[n]) for n in sent)  # bitwise
+            # the same scoring on both sides: equal bit for bit
+            with torch.no_grad():
+                for name, tensor in sent.items():
+                    local.refit_targets({name})[name].copy_(tensor)
+            ids, lengths = data["input_ids"], data["input_lengths"]
+            assert torch.equal(gen.logprobs(ids, lengths), local.logprobs(ids, lengths))
+
+
+def test_a_corrupted_byte_fails_the_checksum_and_changes_nothing(llama_dir):
+    worker = make_worker(llama_dir)
+    info = worker.prepare_refit_info()
+    with GenerationProcess(str(llama_dir), info) as gen:
+        before = gen.weights()
+        gen.begin_refit_ipc(worker.get_zmq_address())
+
+        def flip(buffer):
+            buffer[100] ^= 1
+
+        with pytest.raises(
+            RefitError, match="refused bucket 0: refit: bucket 0 failed its checksum"
+        ):
+            send_tampered(worker, flip, bucket_bytes=SMALL_BUFFER, timeout_s=10)
+        with pytest.raises(RefitError, match="checksum"):
+            gen.end_refit()
+        after = gen.weights()
+        assert gen.version() is None
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_receiver_killed_mid_refit_fails_the_trainer_in_time(llama_dir):
+    worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=2.0))
+    info = worker.prepare_refit_info()
+    gen = GenerationProcess(str(llama_dir), info)
+    gen.begin_refit_ipc(worker.get_zmq_address())
+    sent = []
+
+    def kill_after_first(buffer):
+        sent.append(1)
+        if len(sent) == 2:  # bucket 0 is out and acknowledged by now or soon
+            gen.kill()
+
+    start = time.monotonic()
+    with pytest.raises(RefitError, match=r"did not answer .* in time") as err:
+        send_tampered(worker, kill_after_first, bucket_bytes=SMALL_BUFFER, timeout_s=2.0)
+    assert worker.get_zmq_address() in str(err.value)
+    assert time.monotonic() - start < 10
+    gen.close()
+    with GenerationProcess(str(llama_dir), info) as fresh:  # and a new receiver works
+        fresh.begin_refit_ipc(worker.get_zmq_address())
+        worker.stream_weights_via_ipc_zmq(buffer_size_bytes=SMALL_BUFFER)
+        assert fresh.end_refit() == 1
+
+
+def test_a_trainer_killed_mid_refit_fails_the_receiver_in_time(llama_dir, tmp_path):
+    info = make_worker(llama_dir).prepare_refit_info()
+    address = f"ipc://{tmp_path}/dying.sock"
+    ctx = mp.get_context("spawn")
+    ready, go = ctx.Event(), ctx.Event()
+    trainer = ctx.Process(
+        target=dying_trainer, args=(str(llama_dir), info, address, SMALL_BUFFER, ready, go)
+    )
+    trainer.start()
+    assert ready.wait(120)
+    with GenerationProcess(str(llama_dir), info, timeout_s=2.0) as gen:
+        before = gen.weights()
+        gen.begin_refit_ipc(address)
+        go.set()
+        trainer.join(30)
+        assert trainer.exitcode == 1  # it died after sending two buckets
+        start = time.monotonic()
+        with pytest.raises(RefitError, match=r"no message from the trainer .* unchanged"):
+            gen.end_refit()
+        assert time.monotonic() - start < 10
+        after = gen.weights()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert gen.version() is None
+
+
+def test_mismatched_refit_info_is_an_error_on_both_sides(llama_dir, tmp_path):
+    worker = make_worker(llama_dir)
+    other = make_hf_model(tmp_path, "llama", intermediate_size=128)  # another FFN width
+    other_info = make_worker(other).prepare_refit_info()
+    with GenerationProcess(str(other), other_info) as gen:
+        before = gen.weights()
+        gen.begin_refit_ipc(worker.get_zmq_address())
+        with pytest.raises(RefitError, match=r"refused bucket .*mlp\.gate_proj\.weight sent as"):
+            worker.stream_weights_via_ipc_zmq(buffer_size_bytes=SMALL_BUFFER)
+        with pytest.raises(RefitError, match=r"mlp\.gate_proj\.weight sent as"):
+            gen.end_refit()
+        after = gen.weights()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+    assert worker.weight_version == 0  # a failed refit does not count
+
+
+def test_bad_refit_arguments_are_refused(llama_dir):
+    worker = make_worker(llama_dir)
+    for kwargs, field in (
+        ({"buffer_size_bytes": -1}, "buffer_size_bytes"),
+        ({"buffer_size_bytes": 100}, "buffer_size_bytes"),
+        ({"refit_timeout_s": 0}, "refit_timeout_s"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            worker.stream_weights_via_ipc_zmq(**kwargs)
+    assert worker.weight_version == 0
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_path):
+    """Gathered TP shards and broadcast pipeline stages arrive as the checkpoint's tensors,
+    each name once."""
+    folder = make_hf_model(  # tied: the last stage's output layer copy is never sent
+        tmp_path_factory.mktemp("refit_mr"), "qwen2", vocab_size=128, tie_word_embeddings=True
+    )
+    script = Path(__file__).parent / "refit_multirank.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(script), str(folder), str(tmp_path / "out.pt"), str(tp), str(pp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    checkpoint = load_file(folder / "model.safetensors")
+    assert got["weights"].keys() == checkpoint.keys()
+    assert all(torch.equal(got["weights"][n], checkpoint[n]) for n in checkpoint)
+    assert got["version"] == got["report"].version == 1
