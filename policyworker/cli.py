@@ -1,4 +1,5 @@
-"""Command line: `python -m policyworker demo [--out DIR] [--model DIR --data FILE] [key=value ...]`.
+"""Command line: `python -m policyworker demo [--out DIR] [--model DIR --data FILE] [key=value ...]`
+and `python -m policyworker refit-check --model DIR` (see `policyworker.refit.check`).
 
 Extra `key=value` arguments are dotted overrides of `DemoConfig` (e.g. `grpo_steps=10`,
 `loss.ratio_clip_max=0.28`). Bad input — an unknown or ill-typed option, a missing model folder,
@@ -23,7 +24,16 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--data", default=None, help="JSONL of prompt/answer pairs (with --model)")
     demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
+    check = sub.add_parser("refit-check", help="refit a receiver process and compare both sides")
+    check.add_argument("--model", required=True, help="HF checkpoint folder")
+    check.add_argument("--transport", default="ipc", choices=["ipc"])
+    check.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
+    check.add_argument("--buffer-size", type=int, default=0, help="bytes per buffer (0: auto)")
+    check.add_argument("--timeout", type=float, default=60.0, help="seconds, both sides")
     args = parser.parse_args(argv)
+    if args.command == "refit-check":
+        _refit_check(check, args)
+        return
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -44,6 +54,27 @@ def main(argv: list[str] | None = None) -> None:
     from policyworker.demo.grpo import run_demo  # loads megatron-core
 
     run_demo(cfg, inputs)
+
+
+def _refit_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    import sys
+    from pathlib import Path
+
+    logging.basicConfig(level=logging.WARNING)
+    if not (Path(args.model) / "config.json").is_file():
+        parser.exit(2, f"{parser.prog}: error: --model: no config.json in {args.model}\n")
+    if args.buffer_size < 0 or args.timeout <= 0:
+        parser.exit(2, f"{parser.prog}: error: --buffer-size >= 0 and --timeout > 0 expected\n")
+    from policyworker.refit.check import CheckOptions, main
+
+    opts = CheckOptions(
+        model=args.model,
+        transport=args.transport,
+        precision=args.precision,
+        buffer_size_bytes=args.buffer_size,
+        timeout_s=args.timeout,
+    )
+    sys.exit(main(opts))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Refit over IPC into a generation process: refit info, the layout, exact weights and logprobs,
 versions, the checksum, dead peers on either side, mismatched refit info, bad arguments."""
 
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -210,3 +211,25 @@ def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_p
     assert got["weights"].keys() == checkpoint.keys()
     assert all(torch.equal(got["weights"][n], checkpoint[n]) for n in checkpoint)
     assert got["version"] == got["report"].version == 1
+
+
+def test_refit_check_reports_and_fails_on_a_mismatch(llama_dir, monkeypatch, capsys):
+    from policyworker.generation import process
+    from policyworker.refit import check
+
+    opts = check.CheckOptions(model=str(llama_dir), buffer_size_bytes=SMALL_BUFFER, refits=2)
+    assert check.main(opts) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["ok"] and row["weights_equal"] and row["transport"] == "ipc"
+    assert row["weight_version"] == row["trainer_weight_version"] == 2
+    assert row["max_logprob_diff"] <= 1e-4 and row["names"] == 21 and row["bytes"] > 0
+    # the trainer side now sums differently from the receiver: the check must fail
+    monkeypatch.setattr(process, "tensor_sums", lambda t: (0.0, 0.0))
+    assert check.main(opts) == 1
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_equal"] is False
+
+
+def test_refit_check_refuses_bad_options_before_starting(tmp_path):
+    cmd = [sys.executable, "-m", "policyworker", "refit-check", "--model", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--model: no config.json" in proc.stderr
