@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
     check = sub.add_parser("refit-check", help="refit a receiver process and compare both sides")
     check.add_argument("--model", required=True, help="HF checkpoint folder")
-    check.add_argument("--transport", default="ipc", choices=["ipc"])
+    check.add_argument("--transport", default="ipc", choices=["ipc", "collective"])
     check.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     check.add_argument("--buffer-size", type=int, default=0, help="bytes per buffer (0: auto)")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds, both sides")

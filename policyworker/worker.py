@@ -46,7 +46,7 @@ from policyworker.parallel.dims import (
 )
 from policyworker.refit.ipc import RefitReport
 from policyworker.refit.layout import RefitInfo
-from policyworker.refit.source import RefitSource
+from policyworker.refit.source import RefitSource, check_refit_args
 from policyworker.train.lifecycle import (
     OpenStep,
     StepResult,
@@ -438,15 +438,36 @@ class MegatronPolicyWorker:
         self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
     ) -> RefitReport | None:
         """Refit the receiver at `get_zmq_address()` through two shared buffers (CUDA IPC on GPU,
-        shared memory on CPU): every weight once, checksummed, applied by the receiver only when
+        shared memory on CPU): every weight once, applied by the receiver only when
         complete. Collective over TP/PP; ranks with `send=False` only take part in the gathers."""
-        if not isinstance(buffer_size_bytes, int) or buffer_size_bytes < 0:
-            raise ValueError(f"buffer_size_bytes: expected an int >= 0, got {buffer_size_bytes!r}")
-        if refit_timeout_s is not None and not refit_timeout_s > 0:
-            raise ValueError(f"refit_timeout_s: expected > 0, got {refit_timeout_s!r}")
+        check_refit_args(buffer_size_bytes, refit_timeout_s)
         self.memory.require("stream_weights_via_ipc_zmq", "params")
         return self.refit.stream_ipc(
             buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
+        )
+
+    def init_collective(
+        self, host: str, port: int, world_size: int, refit_timeout_s: float | None = None
+    ) -> None:
+        """Form the collective refit group with `world_size - 1` receivers (each joins with
+        its rank, 1..world_size-1); trainer rank 0 is its rank 0 and hosts the TCP store at
+        host:port. Blocks until every member joined (or the timeout)."""
+        if not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world_size: expected an int >= 2, got {world_size!r}")
+        self.refit.join_collective(host, port, world_size, refit_timeout_s)
+
+    def broadcast_weights_for_collective(
+        self,
+        refit_timeout_s: float | None = None,
+        buffer_size_bytes: int | None = None,
+        num_buffers: int = 2,
+    ) -> RefitReport | None:
+        """Broadcast every weight to the receivers of `init_collective` (which run
+        `update_weights_from_collective`). Collective over TP/PP; trainer rank 0 sends."""
+        check_refit_args(buffer_size_bytes or 0, refit_timeout_s, num_buffers)
+        self.memory.require("broadcast_weights_for_collective", "params")
+        return self.refit.broadcast(
+            buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, timeout_s=refit_timeout_s
         )
 
     # --- export ----------------------------------------------------------------------------------

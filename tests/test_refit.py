@@ -190,6 +190,10 @@ def test_bad_refit_arguments_are_refused(llama_dir):
     ):
         with pytest.raises(ValueError, match=field):
             worker.stream_weights_via_ipc_zmq(**kwargs)
+    with pytest.raises(ValueError, match="num_buffers"):
+        worker.broadcast_weights_for_collective(num_buffers=0)
+    with pytest.raises(ValueError, match="world_size"):
+        worker.init_collective("127.0.0.1", 29999, 1)
     assert worker.weight_version == 0
 
 
@@ -224,6 +228,10 @@ def test_refit_check_reports_and_fails_on_a_mismatch(llama_dir, monkeypatch, cap
     assert row["weight_version"] == row["trainer_weight_version"] == 2
     assert row["max_logprob_diff"] <= 1e-4 and row["names"] == 21 and row["bytes"] > 0
     # the trainer side now sums differently from the receiver: the check must fail
+    collective = check.CheckOptions(model=str(llama_dir), transport="collective", refits=1)
+    assert check.main(collective) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["ok"] and row["transport"] == "collective" and row["weight_version"] == 1
     monkeypatch.setattr(process, "tensor_sums", lambda t: (0.0, 0.0))
     assert check.main(opts) == 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_equal"] is False
@@ -233,3 +241,55 @@ def test_refit_check_refuses_bad_options_before_starting(tmp_path):
     cmd = [sys.executable, "-m", "policyworker", "refit-check", "--model", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--model: no config.json" in proc.stderr
+
+
+def _collective_pair(worker, folder, info, timeout_s=30.0):
+    """A generation process joined with the worker in a refit group of two."""
+    from policyworker.parallel.dims import _free_port
+
+    port = _free_port()
+    gen = GenerationProcess(str(folder), info, timeout_s=timeout_s)
+    gen.init_collective("127.0.0.1", port, 2, 1)
+    worker.init_collective("127.0.0.1", port, 2)
+    return gen
+
+
+def test_collective_refit_is_exact_and_versioned(llama_dir):
+    refit = RefitConfig(checksum=True, timeout_s=30.0)
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), refit=refit)
+    info = worker.prepare_refit_info()
+    with _collective_pair(worker, llama_dir, info) as gen:
+        for version in (1, 2):
+            worker.train(make_batch(batch=4, seq=12), NLLLoss())
+            gen.begin_refit_collective()
+            report = worker.broadcast_weights_for_collective(buffer_size_bytes=SMALL_BUFFER)
+            assert gen.end_refit() == report.version == worker.weight_version == version
+            assert report.buckets > 1 and report.checksum
+            got, sent = gen.weights(), dict(worker.export_hf_weights())
+            assert all(torch.equal(got[n], sent[n]) for n in sent)
+
+
+def test_collective_refit_with_mismatched_info_fails_on_both_sides(llama_dir, tmp_path):
+    worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=30.0))
+    other = make_hf_model(tmp_path, "llama", intermediate_size=128)
+    with _collective_pair(worker, other, make_worker(other).prepare_refit_info()) as gen:
+        before = gen.weights()
+        gen.begin_refit_collective()
+        with pytest.raises(RefitError, match="refit info differs"):
+            worker.broadcast_weights_for_collective()
+        with pytest.raises(RefitError, match="refit info differs"):
+            gen.end_refit()
+        assert all(torch.equal(before[n], t) for n, t in gen.weights().items())
+    assert worker.weight_version == 0
+
+
+def test_a_dead_collective_receiver_fails_the_trainer_in_time(llama_dir):
+    worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=3.0))
+    info = worker.prepare_refit_info()
+    gen = _collective_pair(worker, llama_dir, info, timeout_s=3.0)
+    gen.kill()
+    start = time.monotonic()
+    with pytest.raises(RefitError, match="the collective failed"):
+        worker.broadcast_weights_for_collective(buffer_size_bytes=SMALL_BUFFER)
+    assert time.monotonic() - start < 15
+    gen.close()

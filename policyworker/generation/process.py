@@ -64,6 +64,16 @@ class GenerationProcess:
         self._conn.send(("refit_ipc", (address, timeout_s or self.timeout_s)))
         self._refit_pending = True
 
+    def init_collective(self, host: str, port: int, world_size: int, rank: int) -> None:
+        """Join the trainer's collective refit group as `rank`; returns at once (the group forms
+        when the trainer joins; a failure is raised by the next call)."""
+        self._conn.send(("init_collective", (host, port, world_size, rank, self.timeout_s)))
+
+    def begin_refit_collective(self, timeout_s: float | None = None) -> None:
+        """Start receiving a collective refit (`update_weights_from_collective`); returns at once."""
+        self._conn.send(("refit_collective", (timeout_s or self.timeout_s,)))
+        self._refit_pending = True
+
     def end_refit(self) -> int:
         """The version the engine applied; `RefitError` if the refit failed (weights unchanged)."""
         self._refit_pending = False
@@ -139,6 +149,7 @@ def _serve(
 ) -> None:
     """The process: build the engine and its staging area, then answer commands until close."""
     from policyworker.generation.engine import HFEngine
+    from policyworker.refit.collective import join_refit_group, receive_refit
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
 
@@ -158,14 +169,31 @@ def _serve(
         "weight_sums": lambda args, kw: {n: tensor_sums(t) for n, t in staging.targets.items()},
         "version": lambda args, kw: staging.version,
     }
+    group, group_error = None, None
     while True:
         name, payload = conn.recv()
         if name == "close":
             return
+        if name == "init_collective":  # no answer: the trainer joins after us
+            host, port, world_size, rank, timeout_s = payload
+            try:
+                group = join_refit_group(
+                    host, port, world_size, rank, device=engine.device, timeout_s=timeout_s
+                )
+            except Exception:
+                group_error = traceback.format_exc()
+            continue
         try:
+            if group_error is not None:
+                raise RuntimeError(f"joining the refit group failed:\n{group_error}")
             if name == "refit_ipc":
                 address, timeout_s = payload
                 conn.send(("ok", receive_ipc(staging, address=address, timeout_s=timeout_s)))
+            elif name == "refit_collective":
+                if group is None:
+                    raise RuntimeError("refit_collective: init_collective() first")
+                version = receive_refit(group, staging, device=engine.device, timeout_s=payload[0])
+                conn.send(("ok", version))
             else:
                 conn.send(("ok", handlers[name](*payload)))
         except RefitError as e:

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from policyworker.generation.process import GenerationProcess
+    from policyworker.refit.ipc import RefitReport
+    from policyworker.worker import MegatronPolicyWorker
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # transformers vs megatron-core logprobs
 
@@ -33,8 +39,8 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
     from policyworker.config import RefitConfig
     from policyworker.generation.process import GenerationProcess, tensor_sums
 
-    if opts.transport != "ipc":
-        raise ValueError(f"--transport: only 'ipc' exists yet, got {opts.transport!r}")
+    if opts.transport not in ("ipc", "collective"):
+        raise ValueError(f"--transport: expected ipc or collective, got {opts.transport!r}")
     cfg = PolicyConfig(
         model_name=opts.model,
         precision=opts.precision,
@@ -46,9 +52,14 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
     device = str(worker.device) if worker.device.type == "cpu" else f"cuda:{worker.device.index}"
     ids, lengths = _fixed_batch(worker.shape.vocab_size)
     with GenerationProcess(opts.model, info, device=device, load_weights=False) as gen:
+        if opts.transport == "collective":
+            from policyworker.parallel.dims import _free_port
+
+            port = _free_port()
+            gen.init_collective("127.0.0.1", port, 2, 1)
+            worker.init_collective("127.0.0.1", port, 2)
         for _ in range(opts.refits):
-            gen.begin_refit_ipc(worker.get_zmq_address(), opts.timeout_s)
-            report = worker.stream_weights_via_ipc_zmq(buffer_size_bytes=opts.buffer_size_bytes)
+            report = _refit(worker, gen, opts)
             version = gen.end_refit()
         sums = gen.weight_sums()
         equal = all(sums[n] == tensor_sums(t) for n, t in worker.export_hf_weights())
@@ -70,6 +81,18 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
         "max_logprob_diff": diff,
         "ok": equal and version == worker.weight_version and diff <= TOLERANCE[opts.precision],
     }
+
+
+def _refit(
+    worker: MegatronPolicyWorker, gen: GenerationProcess, opts: CheckOptions
+) -> RefitReport | None:
+    """Start the receiver, then send: one refit over the chosen transport."""
+    size = opts.buffer_size_bytes
+    if opts.transport == "collective":
+        gen.begin_refit_collective(opts.timeout_s)
+        return worker.broadcast_weights_for_collective(buffer_size_bytes=size or None)
+    gen.begin_refit_ipc(worker.get_zmq_address(), opts.timeout_s)
+    return worker.stream_weights_via_ipc_zmq(buffer_size_bytes=size)
 
 
 def _fixed_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

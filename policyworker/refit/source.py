@@ -12,11 +12,23 @@ import torch.distributed as dist
 from policyworker.config import RefitConfig
 from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups
+from policyworker.refit.collective import broadcast_refit, join_refit_group
 from policyworker.refit.export import model_tensors, owners, refit_info
 from policyworker.refit.ipc import RefitReport, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo
 
 MiB = 1 << 20
+
+
+def check_refit_args(buffer_size_bytes: int, timeout_s: float | None, num_buffers: int = 2) -> None:
+    """A refit call's arguments, refused before anything moves (`buffer_size_bytes` 0: auto)."""
+    size = buffer_size_bytes
+    if not isinstance(size, int) or not (size == 0 or size >= 512):
+        raise ValueError(f"buffer_size_bytes: expected 0 (auto) or an int >= 512, got {size!r}")
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"refit_timeout_s: expected > 0, got {timeout_s!r}")
+    if not isinstance(num_buffers, int) or num_buffers < 1:
+        raise ValueError(f"num_buffers: expected an int >= 1, got {num_buffers!r}")
 
 
 class RefitSource:
@@ -40,6 +52,7 @@ class RefitSource:
         self.version = 0
         """Version of the weights last refitted (0: none yet); each refit sends version + 1."""
         self._info: RefitInfo | None = None
+        self._group: dist.ProcessGroup | None = None  # the collective refit group (sender only)
         self._owners: list[int] = []
         sock = f"policyworker-refit-{os.getpid()}-{dist.get_rank()}.sock"
         self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
@@ -60,8 +73,6 @@ class RefitSource:
         only take part in the TP/PP gathers). Collective over the model-parallel group."""
         info = self.info()
         size = buffer_size_bytes or self.cfg.buffer_size_bytes or self._default_buffer_bytes()
-        if size < 512:
-            raise ValueError(f"buffer_size_bytes: expected 0 or >= 512, got {size}")
         layout = Layout(info, size)
         tensors = model_tensors(
             self._params(), self.shape, self.groups, info, self._owners, self.device
@@ -78,6 +89,49 @@ class RefitSource:
             timeout_s=timeout_s or self.cfg.timeout_s,
             use_checksum=self.cfg.checksum,
             device=self.device,
+        )
+        self.version = report.version
+        return report
+
+    def join_collective(
+        self, host: str, port: int, world_size: int, timeout_s: float | None
+    ) -> None:
+        """Rank 0 of the trainer joins the refit group as its rank 0 (blocks until every receiver
+        has joined); the other trainer ranks only take part in the gathers of a refit."""
+        if dist.get_rank() == 0:
+            self._group = join_refit_group(
+                host,
+                port,
+                world_size,
+                0,
+                device=self.device,
+                timeout_s=timeout_s or self.cfg.timeout_s,
+            )
+
+    def broadcast(
+        self, *, buffer_size_bytes: int | None, num_buffers: int, timeout_s: float | None
+    ) -> RefitReport | None:
+        """One collective refit (collective over the model-parallel group too)."""
+        info = self.info()
+        tensors = model_tensors(
+            self._params(), self.shape, self.groups, info, self._owners, self.device
+        )
+        if self._group is None:
+            for _ in tensors:  # take part in the TP/PP gathers
+                pass
+            return None
+        report = broadcast_refit(
+            self._group,
+            tensors,
+            info,
+            version=self.version + 1,
+            bucket_bytes=buffer_size_bytes
+            or self.cfg.buffer_size_bytes
+            or self._default_buffer_bytes(),
+            num_buffers=num_buffers,
+            use_checksum=self.cfg.checksum,
+            device=self.device,
+            timeout_s=timeout_s or self.cfg.timeout_s,
         )
         self.version = report.version
         return report

@@ -1,0 +1,205 @@
+"""Refit by collective broadcast: trainer and engines on different devices, one process group.
+
+Handshake: every member calls `join_refit_group(host, port, world_size, rank, ...)` — the
+trainer's sending rank is rank 0 (it hosts the TCP store), receivers take 1..world_size-1. The
+group is separate from the trainer's own torch.distributed world (gloo on CPU, NCCL on GPU).
+
+One refit, all members in step:
+
+    header   int64 [version, bucket_bytes, checksum on, info fingerprint]   broadcast from 0
+    verdict  MIN all-reduce of "my refit info matches"                        (a mismatch: all raise)
+    buckets  uint8, cut from the refit info by both sides alike, broadcast from 0 through
+             `num_buffers` buffers (bucket k+1 is packed while bucket k is in flight); with the
+             checksum on, each bucket's checksum follows it
+    verdict  MIN all-reduce of "staged, verified and applied"                 (so the trainer knows)
+
+Every collective has the group's timeout: a dead peer is an error on the others, not a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from policyworker.refit.ipc import RefitReport
+from policyworker.refit.layout import Bucket, Layout, RefitError, RefitInfo, checksum
+from policyworker.refit.receiver import Staging, dtype_name
+
+
+def join_refit_group(
+    host: str, port: int, world_size: int, rank: int, *, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
+    """This process's member of the refit group (rank 0 is the trainer and hosts the store)."""
+    if not 0 <= rank < world_size or world_size < 2:
+        raise ValueError(f"rank: expected 0 <= rank < world_size >= 2, got {rank}, {world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def fingerprint(info: RefitInfo) -> int:
+    """63 bits of a hash of the refit info's names, shapes and dtypes, in order."""
+    text = "|".join(f"{n}:{list(s)}:{dtype_name(d)}" for n, (s, d) in info.items())
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> dist.Work:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    try:
+        return group.broadcast([tensor], opts)
+    except RuntimeError as e:
+        raise RefitError(f"refit: the collective failed at {what}: {e}") from None
+
+
+def _wait(work: dist.Work, what: str, timeout: datetime.timedelta) -> None:
+    try:
+        work.wait(timeout)
+    except RuntimeError as e:  # a dead peer or the timeout
+        raise RefitError(f"refit: the collective failed at {what}: {e}") from None
+
+
+def _agree(
+    group: dist.ProcessGroup,
+    ok: bool,
+    device: torch.device,
+    what: str,
+    timeout: datetime.timedelta,
+) -> bool:
+    """Whether every member says `ok` (a MIN all-reduce)."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    try:
+        work = group.allreduce([flag], opts)
+    except RuntimeError as e:
+        raise RefitError(f"refit: the collective failed at {what}: {e}") from None
+    _wait(work, what, timeout)
+    return bool(flag.item())
+
+
+def broadcast_refit(
+    group: dist.ProcessGroup,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    info: RefitInfo,
+    *,
+    version: int,
+    bucket_bytes: int,
+    num_buffers: int,
+    use_checksum: bool,
+    device: torch.device,
+    timeout_s: float,
+) -> RefitReport:
+    """The trainer's side (group rank 0)."""
+    start = time.perf_counter()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    layout = Layout(info, bucket_bytes)
+    header = [version, bucket_bytes, int(use_checksum), fingerprint(info)]
+    head = torch.tensor(header, dtype=torch.int64, device=device)
+    _wait(_broadcast(group, head, "the header"), "the header", timeout)
+    if not _agree(group, True, device, "the refit info check", timeout):
+        raise RefitError("refit: a receiver's refit info differs from the trainer's")
+    size = max((b.nbytes for b in layout.buckets if b.nbytes <= bucket_bytes), default=0)
+    buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
+    in_flight: list[list[dist.Work]] = [[] for _ in range(num_buffers)]
+    for bucket in layout.buckets:
+        slot = bucket.index % num_buffers
+        for work in in_flight[slot]:  # the buffer's previous bucket has left
+            _wait(work, f"bucket {bucket.index - num_buffers}", timeout)
+        own = bucket.nbytes > size
+        buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if own else buffers[slot]
+        _pack(bucket, buf, tensors)
+        works = [_broadcast(group, buf[: bucket.nbytes], f"bucket {bucket.index}")]
+        if use_checksum:
+            total = torch.tensor([checksum(buf[: bucket.nbytes])], device=device)
+            works.append(_broadcast(group, total, f"bucket {bucket.index}'s checksum"))
+        if own:  # its buffer is used once: wait here rather than keep it
+            for work in works:
+                _wait(work, f"bucket {bucket.index}", timeout)
+            works = []
+        in_flight[slot] = works
+    for works in in_flight:
+        for work in works:
+            _wait(work, "the last buckets", timeout)
+    if not _agree(group, True, device, "the end of the refit", timeout):
+        raise RefitError("refit: a receiver rejected the refit (its weights are unchanged)")
+    return RefitReport(
+        version=version,
+        bytes=layout.total,
+        seconds=time.perf_counter() - start,
+        names=len(layout.slots),
+        buckets=len(layout.buckets),
+        checksum=use_checksum,
+    )
+
+
+def _pack(bucket: Bucket, buf: torch.Tensor, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    for slot in bucket.slots:
+        name, tensor = next(tensors)
+        if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise RefitError(f"refit info: the model gives {name}, the refit info {slot.name}")
+        slot.view(buf, base=bucket.start).copy_(tensor)
+
+
+def receive_refit(
+    group: dist.ProcessGroup, staging: Staging, *, device: torch.device, timeout_s: float
+) -> int:
+    """A receiver's side: one refit into `staging`; returns its version. Raises `RefitError`
+    with the live weights unchanged when anything fails."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    head = torch.zeros(4, dtype=torch.int64, device=device)
+    _wait(_broadcast(group, head, "the header"), "the header", timeout)
+    version, bucket_bytes, use_checksum, theirs = head.tolist()
+    mine = fingerprint(staging.layout.info)
+    if not _agree(group, theirs == mine, device, "the refit info check", timeout):
+        raise RefitError(
+            "refit: the trainer's refit info differs from this receiver's (or "
+            "another receiver's); the live weights are unchanged"
+        )
+    layout = Layout(staging.layout.info, bucket_bytes)
+    staging.begin(version)
+    ok, error = True, ""
+    for bucket in layout.buckets:
+        data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+        _wait(_broadcast(group, data, f"bucket {bucket.index}"), f"bucket {bucket.index}", timeout)
+        total = None
+        if use_checksum:
+            t = torch.zeros(1, dtype=torch.int64, device=device)
+            _wait(_broadcast(group, t, "a checksum"), f"bucket {bucket.index}'s checksum", timeout)
+            total = int(t.item())
+        if ok:
+            try:
+                staging.stage(_header(bucket, version, total), data)
+            except RefitError as e:  # keep receiving: the others are still in the collective
+                ok, error = False, str(e)
+    if ok:
+        try:
+            staging.commit(version)
+        except RefitError as e:
+            ok, error = False, str(e)
+    _agree(group, ok, device, "the end of the refit", timeout)
+    if not ok:
+        raise RefitError(error)
+    return version
+
+
+def _header(bucket: Bucket, version: int, total: int | None) -> dict[str, object]:
+    return {
+        "version": version,
+        "index": bucket.index,
+        "start": bucket.start,
+        "end": bucket.end,
+        "slots": [
+            (s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in bucket.slots
+        ],
+        "checksum": total,
+    }
