@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from policyworker.refit.ipc import RefitReport
-from policyworker.refit.layout import Bucket, Layout, RefitError, RefitInfo, checksum
+from policyworker.refit.layout import Bucket, Layout, RefitError, RefitInfo, checksum, pack
 from policyworker.refit.receiver import Staging, dtype_name
 
 
@@ -117,7 +117,7 @@ def broadcast_refit(
             _wait(work, f"bucket {bucket.index - num_buffers}", timeout)
         own = bucket.nbytes > size
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if own else buffers[slot]
-        _pack(bucket, buf, tensors)
+        pack(bucket, buf, tensors)
         works = [_broadcast(group, buf[: bucket.nbytes], f"bucket {bucket.index}")]
         if use_checksum:
             total = torch.tensor([checksum(buf[: bucket.nbytes])], device=device)
@@ -132,22 +132,7 @@ def broadcast_refit(
             _wait(work, "the last buckets", timeout)
     if not _agree(group, True, device, "the end of the refit", timeout):
         raise RefitError("refit: a receiver rejected the refit (its weights are unchanged)")
-    return RefitReport(
-        version=version,
-        bytes=layout.total,
-        seconds=time.perf_counter() - start,
-        names=len(layout.slots),
-        buckets=len(layout.buckets),
-        checksum=use_checksum,
-    )
-
-
-def _pack(bucket: Bucket, buf: torch.Tensor, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    for slot in bucket.slots:
-        name, tensor = next(tensors)
-        if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
-            raise RefitError(f"refit info: the model gives {name}, the refit info {slot.name}")
-        slot.view(buf, base=bucket.start).copy_(tensor)
+    return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
 
 def receive_refit(

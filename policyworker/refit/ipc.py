@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from policyworker.refit.buffers import MappedBuffer, SharedBuffer
-from policyworker.refit.layout import Bucket, Layout, RefitError, checksum
+from policyworker.refit.layout import Bucket, Layout, RefitError, checksum, pack
 from policyworker.refit.receiver import Staging, dtype_name
 
 
@@ -38,6 +38,17 @@ class RefitReport:
     names: int
     buckets: int
     checksum: bool
+
+    @classmethod
+    def of(cls, layout: Layout, version: int, seconds: float, use_checksum: bool) -> RefitReport:
+        return cls(
+            version=version,
+            bytes=layout.total,
+            seconds=seconds,
+            names=len(layout.slots),
+            buckets=len(layout.buckets),
+            checksum=use_checksum,
+        )
 
     @property
     def gbps(self) -> float:
@@ -124,14 +135,7 @@ def send_ipc(
             pending.buffer.close()  # packed but never sent (idempotent when it was)
         for buf in buffers:
             buf.close()
-    return RefitReport(
-        version=version,
-        bytes=layout.total,
-        seconds=time.perf_counter() - start,
-        names=len(layout.slots),
-        buckets=len(layout.buckets),
-        checksum=use_checksum,
-    )
+    return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
 
 def _send(sock: zmq.Socket, pending: _Pending, peer: str) -> None:
@@ -151,14 +155,7 @@ def _pack(
     device: torch.device,
 ) -> dict[str, Any]:
     """Copy the bucket's tensors into `buf` at their layout offsets; its header."""
-    for slot in bucket.slots:
-        name, tensor = next(tensors)
-        if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
-            raise RefitError(
-                f"refit info: the model gives {name} {tuple(tensor.shape)} {tensor.dtype}, the "
-                f"refit info says {slot.name} {slot.shape} {slot.dtype}"
-            )
-        slot.view(buf.tensor, base=bucket.start).copy_(tensor)
+    pack(bucket, buf.tensor, tensors)
     data = buf.tensor[: bucket.nbytes]
     total = checksum(data) if use_checksum else None  # syncs the device when computed
     if device.type == "cuda":

@@ -9,7 +9,7 @@ a whole bucket with one copy and the checksum covers exactly what was staged.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +91,19 @@ def _cut(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
         group.append(slot)
     close()
     return buckets
+
+
+def pack(bucket: Bucket, buf: torch.Tensor, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy the bucket's next tensors from `tensors` into `buf` (uint8, layout byte
+    `bucket.start` first), checking each against the refit info."""
+    for slot in bucket.slots:
+        name, tensor = next(tensors)
+        if name != slot.name or tuple(tensor.shape) != slot.shape or tensor.dtype != slot.dtype:
+            raise RefitError(
+                f"refit info: the model gives {name} {tuple(tensor.shape)} {tensor.dtype}, the "
+                f"refit info says {slot.name} {slot.shape} {slot.dtype}"
+            )
+        slot.view(buf, base=bucket.start).copy_(tensor)
 
 
 def checksum(data: torch.Tensor) -> int:
