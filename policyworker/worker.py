@@ -165,19 +165,25 @@ class MegatronPolicyWorker:
             model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
         )
         self._step: OpenStep | None = None
-        self.refit = RefitSource(
+        self.refit, self.memory = self._services(self.state)
+
+    def _services(self, state: PolicyState) -> tuple[RefitSource, Residency]:
+        """What refits read and what memory phases move: views of `state`, built once."""
+        model, ddp, optimizer = state.model, state.ddp, state.optimizer
+        refit = RefitSource(
             lambda: global_named_parameters(model),
             self.shape,
             self.groups,
             self.device,
-            config.refit,
+            self.cfg.refit,
         )
-        self.memory = Residency(
+        memory = Residency(
             params=lambda: [*model.parameters(), *model.buffers()],
             grads=lambda: grad_buffers(ddp),
             optimizer=lambda: optimizer_tensors(optimizer),
             device=self.device,
         )
+        return refit, memory
 
     # --- inference -------------------------------------------------------------------------------
 
