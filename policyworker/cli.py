@@ -1,5 +1,6 @@
 """Command line: `python -m policyworker demo [--out DIR] [--model DIR --data FILE] [key=value ...]`
-and `python -m policyworker refit-check --model DIR` (see `policyworker.refit.check`).
+`python -m policyworker refit-check --model DIR` (see `policyworker.refit.check`) and
+`python -m policyworker export --checkpoint DIR --out HF_DIR` (see `policyworker.checkpoint.export`).
 
 Extra `key=value` arguments are dotted overrides of `DemoConfig` (e.g. `grpo_steps=10`,
 `loss.ratio_clip_max=0.28`). Bad input — an unknown or ill-typed option, a missing model folder,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 from policyworker.config import load_config
 
@@ -23,6 +25,8 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--model", default=None, help="HF checkpoint folder to train")
     demo.add_argument("--data", default=None, help="JSONL of prompt/answer pairs (with --model)")
     demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
+    demo.add_argument("--save-every", default=None, help="checkpoint every N steps")
+    demo.add_argument("--resume", default=None, help="an OUT/checkpoints/step_N folder")
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
     check = sub.add_parser("refit-check", help="refit a receiver process and compare both sides")
     check.add_argument("--model", required=True, help="HF checkpoint folder")
@@ -30,9 +34,15 @@ def main(argv: list[str] | None = None) -> None:
     check.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     check.add_argument("--buffer-size", type=int, default=0, help="bytes per buffer (0: auto)")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds, both sides")
+    export = sub.add_parser("export", help="a checkpoint's weights as a Hugging Face folder")
+    export.add_argument("--checkpoint", required=True, help="weights dir of save_checkpoint")
+    export.add_argument("--out", required=True, help="Hugging Face folder to write")
     args = parser.parse_args(argv)
     if args.command == "refit-check":
         _refit_check(check, args)
+        return
+    if args.command == "export":
+        _export(export, args)
         return
 
     logging.basicConfig(
@@ -43,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     from policyworker.demo.config import DemoConfig, load_inputs
 
     overrides = list(args.overrides)
-    for key in ("out", "model", "data"):
+    for key in ("out", "model", "data", "save_every", "resume"):
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
     try:
@@ -75,6 +85,19 @@ def _refit_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         timeout_s=args.timeout,
     )
     sys.exit(main(opts))
+
+
+def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    from policyworker.checkpoint.commit import CheckpointError, read_manifest
+
+    try:
+        read_manifest(Path(args.checkpoint), "--checkpoint")
+    except CheckpointError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    from policyworker.checkpoint.export import export_checkpoint
+
+    print(export_checkpoint(args.checkpoint, args.out))
 
 
 if __name__ == "__main__":

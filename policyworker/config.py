@@ -176,6 +176,20 @@ class RefitConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    """Distributed checkpoints (`save_checkpoint` / `load_checkpoint`, `policyworker.checkpoint`)."""
+
+    async_save: bool = False
+    """Return from `save_checkpoint` once the state is staged on the host; the write goes on in the
+    background until `finalize_async_save()` (or the next save) commits it. A call's
+    `async_save` overrides it."""
+    verify_integrity: bool = True
+    """Write a SHA-256 of every checkpoint file at save and check them at load, so a corrupted
+    byte is an error, not silently wrong weights. Costs one extra read of the files on rank 0 at
+    each side (BENCHMARKS.md)."""
+
+
+@dataclass(kw_only=True, slots=True)
 class PolicyConfig:
     """Everything a `MegatronPolicyWorker` needs. Only `model_name` has no default."""
 
@@ -209,6 +223,8 @@ class PolicyConfig:
     """Token-budget micro-batches without packing."""
     refit: RefitConfig = field(default_factory=RefitConfig)
     """Weight hand-over to a generation engine."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Distributed checkpoints."""
 
     def __post_init__(self) -> None:
         self.validate()

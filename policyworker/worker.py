@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
+from policyworker.assembly import Parts, build_services, build_state
+from policyworker.checkpoint.checkpointer import check_save_paths, initial_weights
 from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.compat import apply_cpu_patches
 from policyworker.config import PolicyConfig
@@ -30,12 +31,12 @@ from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import Microbatch, build_plan
 from policyworker.losses.common import Loss, LossNeeds
 from policyworker.memory.phases import enter_phase
-from policyworker.memory.residency import Residency, Where
+from policyworker.memory.residency import Where
 from policyworker.memory.telemetry import log_memory, memory_stats
-from policyworker.model.build import build_gpt_model, global_named_parameters
+from policyworker.model.build import global_named_parameters
 from policyworker.model.hf_config import check_sliding_window, load_hf_config, model_shape
 from policyworker.model.reference import ReferenceWeights
-from policyworker.model.weights import SafetensorsReader, export_hf_weights, load_hf_weights
+from policyworker.model.weights import export_hf_weights
 from policyworker.ops.logprobs import topk_logits
 from policyworker.parallel.dims import (
     Groups,
@@ -46,12 +47,13 @@ from policyworker.parallel.dims import (
 )
 from policyworker.refit.ipc import RefitReport
 from policyworker.refit.layout import RefitInfo
-from policyworker.refit.source import RefitSource, check_refit_args
+from policyworker.refit.source import check_refit_args
 from policyworker.train.lifecycle import (
     OpenStep,
     StepResult,
     StepSpec,
     add_chunk,
+    check_batch_sizes,
     finish_step,
     known_counts_for,
     open_step,
@@ -59,12 +61,7 @@ from policyworker.train.lifecycle import (
     zero_grads,
 )
 from policyworker.train.optimizer import (
-    build_optimizer,
-    build_scheduler,
-    grad_buffers,
     optimizer_state_bytes,
-    optimizer_tensors,
-    wrap_ddp,
 )
 from policyworker.train.step import forward_collect, loss_inputs
 
@@ -73,21 +70,6 @@ log = logging.getLogger(__name__)
 _TRAIN_STATE = ("params", "grads", "optimizer")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class PolicyState:
-    """Everything a memory phase moves or a checkpoint saves, in one place."""
-
-    model: torch.nn.Module
-    ddp: torch.nn.Module | None
-    optimizer: Any | None
-    scheduler: Any | None
-    reference: ReferenceWeights | None
-
-    @property
-    def forward_model(self) -> torch.nn.Module:
-        return self.ddp if self.ddp is not None else self.model
 
 
 class MegatronPolicyWorker:
@@ -102,17 +84,15 @@ class MegatronPolicyWorker:
         init_optimizer: bool = True,
         init_reference_model: bool = True,
     ) -> None:
-        if optimizer_path is not None:
-            raise ValueError(
-                "optimizer_path: optimizer state loading comes with distributed checkpoints"
-            )
         self.cfg = config
         self.tokenizer = tokenizer
+        hf_weights, checkpoint = initial_weights(
+            config.model_name, weights_path, optimizer_path, init_optimizer=init_optimizer
+        )
         self.hf_config = load_hf_config(config.model_name, require_weights=weights_path is None)
         self.shape = model_shape(self.hf_config)
         check_sliding_window(self.hf_config, config.max_total_sequence_length)
         check_layout(config.parallel, self.shape)
-        reader = SafetensorsReader(weights_path or config.model_name)
 
         apply_cpu_patches()
         init_distributed()
@@ -135,55 +115,28 @@ class MegatronPolicyWorker:
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-
         self.dtype = _DTYPES[config.precision]
-        model = build_gpt_model(
-            self.hf_config,
-            self.shape,
+        self.parts = Parts(
+            cfg=config,
+            hf_config=self.hf_config,
+            shape=self.shape,
             dims=self.dims,
-            params_dtype=self.dtype,
-            max_seq_len=config.max_total_sequence_length,
-            pre_process=self.groups.is_first_stage,
-            post_process=self.groups.is_last_stage,
+            groups=self.groups,
+            device=self.device,
+            dtype=self.dtype,
         )
-        load_hf_weights(
-            global_named_parameters(model),
-            reader,
-            self.shape,
-            tp_rank=self.groups.tp_rank,
-            tp_size=self.dims.tp,
-        )
-        ddp = optimizer = scheduler = None
-        if init_optimizer:
-            ddp = wrap_ddp(model, distributed_optimizer=config.optimizer.use_distributed_optimizer)
-            optimizer = build_optimizer(ddp, config.optimizer, params_dtype=self.dtype)
-            scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
-        reference = (
-            ReferenceWeights(global_named_parameters(model)) if init_reference_model else None
-        )
-        self.state = PolicyState(
-            model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
+        self.state = build_state(
+            self.parts,
+            hf_weights,
+            init_optimizer=init_optimizer,
+            init_reference=init_reference_model,
         )
         self._step: OpenStep | None = None
-        self.refit, self.memory = self._services(self.state)
-
-    def _services(self, state: PolicyState) -> tuple[RefitSource, Residency]:
-        """What refits read and what memory phases move: views of `state`, built once."""
-        model, ddp, optimizer = state.model, state.ddp, state.optimizer
-        refit = RefitSource(
-            lambda: global_named_parameters(model),
-            self.shape,
-            self.groups,
-            self.device,
-            self.cfg.refit,
-        )
-        memory = Residency(
-            params=lambda: [*model.parameters(), *model.buffers()],
-            grads=lambda: grad_buffers(ddp),
-            optimizer=lambda: optimizer_tensors(optimizer),
-            device=self.device,
-        )
-        return refit, memory
+        self.refit, self.memory, self.checkpoints = build_services(self.parts, self.state)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint, optimizer_path)
+        if init_reference_model and self.state.reference is None:  # no HF weights: the checkpoint's
+            self.state.reference = ReferenceWeights(global_named_parameters(self.state.model))
 
     # --- inference -------------------------------------------------------------------------------
 
@@ -278,7 +231,9 @@ class MegatronPolicyWorker:
             max_seq_len=self.cfg.max_total_sequence_length,
             vocab_size=self.shape.vocab_size,
         )
-        local_gbs = self._check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
+        local_gbs = check_batch_sizes(
+            gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dims.dp
+        )
         if b % local_gbs:
             raise ValueError(
                 f"batch size {b}: expected a multiple of the per-rank global batch {local_gbs}"
@@ -305,7 +260,9 @@ class MegatronPolicyWorker:
         self._require_no_open_step("begin_train_step")
         self.memory.require("begin_train_step", *_TRAIN_STATE)
         gbs, mbs = self._step_sizes(gbs, mbs)
-        local_gbs = self._check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example)
+        local_gbs = check_batch_sizes(
+            gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dims.dp
+        )
         self._step = open_step(StepSpec(loss_fn, local_gbs, mbs))
 
     def train_microbatch(self, data: BatchedDataDict) -> None:
@@ -396,7 +353,7 @@ class MegatronPolicyWorker:
         (the CPU itself on a machine without a GPU). Idle gradients are freed, not copied."""
         if model is not self.state.model and model is not self.state.ddp:
             raise ValueError("model: expected this worker's model")
-        where = self._target(device)
+        where = Where.of_device(device)
         targets = {"params": where} if move_params else {}
         if move_grads:
             idle = where is Where.HOST and self._step is None
@@ -406,7 +363,7 @@ class MegatronPolicyWorker:
 
     def move_optimizer(self, device: str) -> None:
         """Move the optimizer state (fp32 masters, Adam's moments): "cpu" or "cuda"."""
-        self.memory.place({"optimizer": self._target(device)})
+        self.memory.place({"optimizer": Where.of_device(device)})
 
     def memory_stats(self) -> dict[str, object]:
         """Allocated, reserved, peak (since the last phase line) and device-used bytes, and
@@ -416,13 +373,6 @@ class MegatronPolicyWorker:
     def _phase(self, name: str) -> None:
         enter_phase(self.memory, name, step_open=self._step is not None)
         log_memory(name, self.memory)
-
-    @staticmethod
-    def _target(device: str) -> Where:
-        targets = {"cpu": Where.HOST, "cuda": Where.DEVICE}
-        if device not in targets:
-            raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
-        return targets[device]
 
     # --- refit (policyworker.refit) ---------------------------------------------------------------
 
@@ -476,6 +426,53 @@ class MegatronPolicyWorker:
             buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, timeout_s=refit_timeout_s
         )
 
+    # --- checkpoints (policyworker.checkpoint) ---------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        weights_path: str | Path,
+        optimizer_path: str | Path | None = None,
+        tokenizer_path: str | Path | None = None,
+        async_save: bool | None = None,
+    ) -> None:
+        """A distributed checkpoint (torch_dist) of the weights at `weights_path` and, with
+        `optimizer_path`, of the optimizer, scheduler, RNG and counters. Collective. With
+        `async_save` it returns after staging on the host; `finalize_async_save()` (or the next
+        save) commits it. Each directory appears, complete, only when committed."""
+        self._require_no_open_step("save_checkpoint", needs_optimizer=False)
+        paths = check_save_paths(
+            weights_path, optimizer_path, has_optimizer=self.state.optimizer is not None
+        )
+        self.memory.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
+        self.checkpoints.save(
+            *paths,
+            counters={"step": self._steps_done(), "weight_version": self.refit.version},
+            tokenizer=self.tokenizer,
+            async_save=self.cfg.checkpoint.async_save if async_save is None else async_save,
+        )
+        if tokenizer_path is not None and self.tokenizer is not None and dist.get_rank() == 0:
+            self.tokenizer.save_pretrained(tokenizer_path)
+
+    def finalize_async_save(self) -> bool:
+        """Finish and commit the pending async save (collective); False if there was none."""
+        return self.checkpoints.finalize()
+
+    def load_checkpoint(
+        self, weights_path: str | Path, optimizer_path: str | Path | None = None
+    ) -> None:
+        """Load a `save_checkpoint` checkpoint, into any parallel layout; with `optimizer_path`
+        also the optimizer, scheduler, counters (and RNG, in the same layout). Collective. A
+        missing, incomplete, corrupt or mismatched checkpoint raises `CheckpointError` with the
+        worker unchanged."""
+        self._require_no_open_step("load_checkpoint", needs_optimizer=optimizer_path is not None)
+        self.memory.require("load_checkpoint", *(_TRAIN_STATE if optimizer_path else ("params",)))
+        opt = None if optimizer_path is None else Path(optimizer_path)
+        manifest = self.checkpoints.load(Path(weights_path), opt)
+        self.refit.version = int(manifest["weight_version"])
+
+    def _steps_done(self) -> int:
+        return 0 if self.state.scheduler is None else int(self.state.scheduler.num_steps)
+
     # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -525,8 +522,8 @@ class MegatronPolicyWorker:
         self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
         return mbs
 
-    def _require_no_open_step(self, call: str) -> None:
-        if self.state.ddp is None:
+    def _require_no_open_step(self, call: str, needs_optimizer: bool = True) -> None:
+        if needs_optimizer and self.state.ddp is None:
             raise ValueError("init_optimizer=False: this worker cannot train")
         if self._step is not None:
             raise ValueError(
@@ -581,17 +578,3 @@ class MegatronPolicyWorker:
         metrics = summarize(results)
         metrics["optimizer_state_bytes"] = optimizer_state_bytes(self.state.optimizer)
         return metrics
-
-    def _check_batch_sizes(self, *, gbs: int, mbs: int, rows: int) -> int:
-        dp = self.dims.dp
-        for name, value in (("gbs", gbs), ("mbs", mbs)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-        if mbs % rows:
-            raise ValueError(
-                f"mbs: expected a multiple of {rows} (the loss reads rows in groups of {rows}, "
-                f"which must share a micro-batch), got {mbs}"
-            )
-        if gbs % dp or (gbs // dp) % mbs:
-            raise ValueError(f"gbs: expected a multiple of dp*mbs = {dp}*{mbs}, got {gbs}")
-        return gbs // dp

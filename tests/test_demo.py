@@ -1,6 +1,7 @@
 """Smoke test of the main job: a few SFT and GRPO steps write metrics, a plot and an HF export."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +24,13 @@ def test_demo_smoke(tmp_path):
             "group_size=4",
             "micro_batch_size=8",
             "sft_batch=16",
+            "--save-every",
+            "3",
         ]
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["sft"] * 4 + ["grpo"] * 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_3", "step_6"]
     assert [r["step"] for r in rows] == list(range(7))
     assert all({"step", "phase", "loss", "reward_mean"} <= r.keys() for r in rows)
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows if r["phase"] == "grpo")
@@ -37,6 +41,24 @@ def test_demo_smoke(tmp_path):
     ids = torch.tensor([[1, 6, 13, 7, 14, 12, 2]])
     data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([7]))
     assert (hf_logprobs(out / "hf", data) - hf_logprobs(out / "init", data)).abs().max() > 1e-3
+
+
+def _demo_rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k != "refit_s"} for r in rows]  # refit_s: a timing
+
+
+@pytest.mark.parametrize("resume_at", [3, 5])
+def test_demo_resumes_with_the_same_rows(tmp_path, resume_at):
+    """Resumed from step_N (in SFT, or in GRPO), the run writes the rows of an uninterrupted run:
+    weights, optimizer, scheduler, data order and sampler seeds all continue."""
+    args = ["sft_steps=4", "grpo_steps=3", "prompts_per_step=4", "group_size=4"]
+    args += ["micro_batch_size=8", "sft_batch=16"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    main(["demo", "--out", str(full), "--save-every", str(resume_at), *args])
+    step = full / "checkpoints" / f"step_{resume_at}"
+    main(["demo", "--out", str(resumed), "--resume", str(step), *args])
+    assert _demo_rows(resumed) == _demo_rows(full)
 
 
 def test_group_advantages():

@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
+
+from policyworker.checkpoint.commit import from_rank0, gather, make_tmp, rank
 
 SHARD_BYTES = 4 * 2**30
 
@@ -42,14 +42,14 @@ def save_hf_folder(
     `part` (the pipeline stage) keeps the writers' file names apart.
     """
     folder = Path(folder)
-    tmp = Path(_from_rank0(lambda: _make_tmp(folder)))
+    tmp = make_tmp(folder)
     error: Exception | None = None
     written: WeightMap = {}
     try:
         written = _write_shards(tmp, tensors, prefix=f".part{part:05d}", write=writer)
     except Exception as e:  # reported to every rank below, then raised
         error = e
-    reports = _gather([written, None if error is None else f"rank {_rank()}: {error!r}"])
+    reports = gather([written, None if error is None else f"rank {rank()}: {error!r}"])
 
     def finish() -> str | None:
         failures = [r[1] for r in reports if r[1] is not None]
@@ -63,17 +63,12 @@ def save_hf_folder(
             return "; ".join(failures)
         return None
 
-    failure = _from_rank0(finish)
+    failure = from_rank0(finish)
     if error is not None:
         raise error
     if failure is not None:
         raise RuntimeError(f"saving {folder} failed: {failure}")
     return folder
-
-
-def _make_tmp(folder: Path) -> str:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent)
 
 
 def _write_shards(
@@ -141,27 +136,3 @@ def _finish(
         shutil.rmtree(old)
     else:
         os.replace(tmp, folder)
-
-
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _from_rank0(fn: Any) -> Any:
-    """`fn()` run on rank 0; its (picklable) result on every rank."""
-    box = [fn() if _rank() == 0 else None]
-    if _distributed():
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(obj: Any) -> list[Any]:
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

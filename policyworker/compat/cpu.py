@@ -8,7 +8,9 @@ megatron-core assumes CUDA in a few places that our code paths reach:
 * the CUDA RNG tracker's get/set of the CUDA generator state;
 * `tensor.type()` CUDA type strings that the fp16/bf16 and the distributed optimizers sort
   parameters by;
-* `tensor.cuda()` on the last stage's copy of tied embeddings (pipeline parallelism).
+* `tensor.cuda()` on the last stage's copy of tied embeddings (pipeline parallelism) and in the
+  distributed optimizer's checkpoint gather;
+* `torch.cuda` calls in dist-checkpointing's writer (a sync after staging, a flag tensor).
 
 (megatron's grad clipping is not reached: `train.optimizer.optimizer_step` clips.)
 
@@ -52,6 +54,8 @@ _PROXIED_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.optimizer_param_scheduler",
     "megatron.core.utils",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 _active = False
@@ -245,6 +249,10 @@ def apply_cpu_patches() -> bool:
     _run_inside(optimizer.Float16OptimizerWithFloat16Params, "__init__", _cuda_type_strings)
     distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
     _run_inside(distrib.DistributedOptimizer, "__init__", _cuda_type_strings)
+    # its checkpoint gather ("fully_reshardable" format) moves each shard with `.cuda()`
+    _run_inside(
+        distrib.DistributedOptimizer, "get_parameter_state_dp_zero", _tensor_cuda_stays_on_cpu
+    )
     language_module = importlib.import_module(
         "megatron.core.models.common.language_module.language_module"
     )

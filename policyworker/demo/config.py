@@ -70,13 +70,19 @@ class DemoConfig:
         default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
     )
     """ClippedPGLoss options."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (SFT and GRPO steps count alike) to
+    `out/checkpoints/step_N/` (worker weights, optimizer state and the loop's own state); 0: never."""
+    resume: str | None = None
+    """A `out/checkpoints/step_N` folder to continue from: the run goes on at step N with the
+    saved weights, optimizer, data order and sampler seed, and rewrites the rows before N."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
             if not ok:
                 raise ValueError(f"{name}: expected {expected}, got {getattr(self, name)!r}")
 
-        for name in ("sft_steps", "grpo_steps"):
+        for name in ("sft_steps", "grpo_steps", "save_every"):
             check(getattr(self, name) >= 0, name, ">= 0")
         for name in ("sft_batch", "prompts_per_step", "micro_batch_size", "max_new_tokens"):
             check(getattr(self, name) >= 1, name, ">= 1")
@@ -117,6 +123,10 @@ def load_inputs(cfg: DemoConfig) -> DemoInputs:
     """Check the model folder, its tokenizer and the JSONL rows; a `ValueError` names the option."""
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out: {cfg.out} exists and is not a folder")
+    if cfg.resume is not None and not (Path(cfg.resume) / "loop.json").is_file():
+        raise ValueError(
+            f"--resume: {cfg.resume} has no loop.json (expected OUT/checkpoints/step_N)"
+        )
     if cfg.model is None:
         if cfg.data is not None:
             raise ValueError("--data: needs --model (the built-in task has its own data)")

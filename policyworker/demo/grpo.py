@@ -122,7 +122,18 @@ class Run:
             optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
             seed=cfg.seed,
         )
-        self.worker = MegatronPolicyWorker(policy, tokenizer=self.tokenizer)
+        resume = None if cfg.resume is None else Path(cfg.resume)
+        self.worker = MegatronPolicyWorker(
+            policy,
+            tokenizer=self.tokenizer,
+            weights_path=None if resume is None else str(resume / "weights"),
+            optimizer_path=None if resume is None else str(resume / "optim"),
+        )
+        self.start_step = 0
+        if resume is not None:  # the loop's own state: data order, rows so far
+            loop = json.loads((resume / "loop.json").read_text())
+            self.start_step = loop["step"]
+            self.rng.setstate(_rng_state(loop["rng"]))
         if self.worker.device.type == "cuda":  # a memory line per phase (DEBUG level)
             logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
         # The sampler: a transformers engine in its own process, refitted over IPC.
@@ -134,10 +145,24 @@ class Run:
         )
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
+        if resume is not None:
+            for row in loop["rows"]:
+                self.record(row)
 
     def close(self) -> None:
         self.sampler.close()
         self.metrics_file.close()
+
+    def save(self, steps_done: int) -> None:
+        """`out/checkpoints/step_N/`: the worker's weights and optimizer, then `loop.json` (the
+        step, the data RNG and the rows so far), written last and atomically: a folder without
+        it is not a complete checkpoint."""
+        folder = self.out / "checkpoints" / f"step_{steps_done}"
+        self.worker.save_checkpoint(folder / "weights", folder / "optim")
+        loop = {"step": steps_done, "rng": self.rng.getstate(), "rows": self.history}
+        tmp = folder / "loop.json.tmp"
+        tmp.write_text(json.dumps(loop))
+        tmp.replace(folder / "loop.json")
 
     def draw(self, n: int) -> list[Example]:
         if self.examples is None:
@@ -245,24 +270,33 @@ def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:
 
 
 def _steps(run: Run, cfg: DemoConfig) -> None:
-    """The SFT steps, then the GRPO steps, with a progress bar and a line per step."""
+    """The SFT steps, then the GRPO steps (from `run.start_step` on a resume), with a progress
+    bar, a line per step and a checkpoint every `cfg.save_every` steps."""
     total = cfg.sft_steps + cfg.grpo_steps
-    bar = tqdm(total=total, desc="demo", unit="step", dynamic_ncols=True)
-    for step in range(cfg.sft_steps):
-        row = run.sft_step(step)
-        run.record(row)
-        bar.update()
-        bar.set_postfix(phase="sft", loss=f"{row['loss']:.3f}")
-        if step % 50 == 0 or step == cfg.sft_steps - 1:  # SFT steps are many and fast
-            tqdm.write(f"sft  step {step:4d}  loss {row['loss']:.4f}")
-    run.worker.set_learning_rate(cfg.grpo_lr)
+    bar = tqdm(total=total, initial=run.start_step, desc="demo", unit="step", dynamic_ncols=True)
     loss_fn = ClippedPGLoss(cfg.loss)
-    for i in range(cfg.grpo_steps):
-        row = run.grpo_step(cfg.sft_steps + i, loss_fn)
+    for step in range(run.start_step, total):
+        if step == cfg.sft_steps:
+            run.worker.set_learning_rate(cfg.grpo_lr)
+        if step < cfg.sft_steps:
+            row = run.sft_step(step)
+            bar.set_postfix(phase="sft", loss=f"{row['loss']:.3f}")
+            if step % 50 == 0 or step == cfg.sft_steps - 1:  # SFT steps are many and fast
+                tqdm.write(f"sft  step {step:4d}  loss {row['loss']:.4f}")
+        else:
+            row = run.grpo_step(step, loss_fn)
+            bar.set_postfix(phase="grpo", reward=f"{row['reward_mean']:.2f}")
+            tqdm.write(
+                f"grpo step {step:4d}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}"
+            )
         run.record(row)
         bar.update()
-        bar.set_postfix(phase="grpo", reward=f"{row['reward_mean']:.2f}")
-        tqdm.write(
-            f"grpo step {row['step']:4d}  reward {row['reward_mean']:.3f}  loss {row['loss']:+.4f}"
-        )
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            run.save(step + 1)
     bar.close()
+
+
+def _rng_state(saved: list) -> tuple:
+    """random.Random's state from its JSON form (lists where it had tuples)."""
+    version, internal, gauss = saved
+    return (version, tuple(internal), gauss)

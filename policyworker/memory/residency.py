@@ -28,6 +28,14 @@ class Where(enum.StrEnum):
     FREED = "freed"
     """Gradients only: released without a copy (they are zero outside a step)."""
 
+    @classmethod
+    def of_device(cls, device: str) -> Where:
+        """A user's device name: "cpu" is the host, "cuda" the worker's device."""
+        targets = {"cpu": cls.HOST, "cuda": cls.DEVICE}
+        if device not in targets:
+            raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+        return targets[device]
+
 
 GROUPS = ("params", "grads", "optimizer")
 

@@ -176,6 +176,21 @@ def finish_step(
     )
 
 
+def check_batch_sizes(*, gbs: int, mbs: int, rows: int, dp: int) -> int:
+    """Validate a step's global and micro-batch sizes; returns this rank's rows (gbs / dp)."""
+    for name, value in (("gbs", gbs), ("mbs", mbs)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if mbs % rows:
+        raise ValueError(
+            f"mbs: expected a multiple of {rows} (the loss reads rows in groups of {rows}, "
+            f"which must share a micro-batch), got {mbs}"
+        )
+    if gbs % dp or (gbs // dp) % mbs:
+        raise ValueError(f"gbs: expected a multiple of dp*mbs = {dp}*{mbs}, got {gbs}")
+    return gbs // dp
+
+
 def zero_grads(ddp: torch.nn.Module, optimizer: Any) -> None:
     """Zero the grad buffers: how a step starts, ends and is aborted (weights, optimizer state
     and scheduler untouched), so that outside a step the gradients are zero."""

@@ -1,0 +1,138 @@
+"""Crash-safe directories: write into a temporary sibling, commit by rename once every rank is done.
+
+A directory is a complete policyworker checkpoint exactly when it holds `policyworker.json` (the
+manifest, written last, inside the temporary sibling, before the rename). A process killed at any
+point leaves the target either absent or complete; the temporary sibling it leaves behind starts
+with a dot and holds no manifest, so nothing mistakes it for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+MANIFEST = "policyworker.json"
+FORMAT = "policyworker-checkpoint"
+FORMAT_VERSION = 1
+
+# Test hook: `POLICYWORKER_FAULT=<point>` kills this process (SIGKILL) when it reaches <point>.
+_FAULT_ENV = "POLICYWORKER_FAULT"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupt or of another model; nothing was loaded."""
+
+
+def fault_point(name: str) -> None:
+    """Die here if the fault-injection variable names this point (crash-safety tests)."""
+    if os.environ.get(_FAULT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def from_rank0(fn: Callable[[], Any]) -> Any:
+    """`fn()` run on rank 0; its (picklable) result on every rank."""
+    box = [fn() if rank() == 0 else None]
+    if distributed():
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, on every rank."""
+    if not distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def make_tmp(folder: Path) -> Path:
+    """A new temporary sibling of `folder` (rank 0 creates it; every rank gets its path)."""
+
+    def make() -> str:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent)
+
+    return Path(from_rank0(make))
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest durably (rank 0 only): it is what marks the directory complete."""
+    path = folder / MANIFEST
+    with open(path, "w") as f:
+        json.dump({"format": FORMAT, "format_version": FORMAT_VERSION, **manifest}, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def commit(tmp: Path, folder: Path) -> None:
+    """Rank 0: rename `tmp` into place (`folder` must not exist) and make the rename durable."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp made it private
+    os.rename(tmp, folder)
+    fd = os.open(folder.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """Relative path -> bytes of every file under `folder` (the manifest excepted)."""
+    return {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def read_manifest(folder: Path, field: str) -> dict[str, Any]:
+    """The manifest of a complete checkpoint, after checking every file it lists is there with
+    its size. Raises `CheckpointError` naming `field` and what is wrong."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{field}: {folder} is not a directory")
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(
+            f"{field}: {folder} is not a complete checkpoint (no {MANIFEST}: never committed, "
+            "or not a policyworker checkpoint)"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{field}: {path} does not parse ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{field}: {path} is format {manifest.get('format')!r} version "
+            f"{manifest.get('format_version')!r}; expected {FORMAT!r} version {FORMAT_VERSION}"
+        )
+    for name, size in manifest.get("files", {}).items():
+        f = folder / name
+        if not f.is_file():
+            raise CheckpointError(f"{field}: {folder} is missing {name}")
+        if f.stat().st_size != size:
+            raise CheckpointError(
+                f"{field}: {folder}/{name} has {f.stat().st_size} bytes, expected {size} "
+                "(truncated or overwritten)"
+            )
+    return manifest
+
+
+def is_checkpoint(folder: Path) -> bool:
+    return (folder / MANIFEST).is_file()

@@ -1,0 +1,214 @@
+"""Distributed checkpoints: exact resume (sync and async, TP2 / PP2 / DP2 with the distributed
+optimizer, in a fresh process), loading into another layout, crash safety, bad checkpoints and
+the HF export."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ckpt_multirank import paths, run_resume, run_save
+from conftest import make_worker
+from helpers import hf_logprobs, make_batch, make_hf_model
+from multirank import config
+
+from policyworker.checkpoint.commit import CheckpointError
+from policyworker.losses import NLLLoss
+from policyworker.worker import MegatronPolicyWorker
+
+HERE = Path(__file__).parent
+# (tp, pp, distributed optimizer) on two ranks; dp is what remains.
+LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2-distopt": (1, 1, True)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # odd vocabulary (TP2 pads it) and tied embeddings (PP2 keeps a copy on the last stage)
+    folder = tmp_path_factory.mktemp("ckpt_model")
+    return make_hf_model(folder, "qwen2", vocab_size=101, tie_word_embeddings=True)
+
+
+def _clean_env() -> dict[str, str]:
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(*args: object) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(HERE / "ckpt_multirank.py"), *map(str, args)]
+    proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _assert_bitwise(saved: dict, resumed: dict) -> None:
+    assert torch.equal(saved["lp_at_save"], resumed["lp_at_save"])
+    for a, b in zip(saved["train"], resumed["train"], strict=True):
+        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"])
+    assert torch.equal(saved["lp_final"], resumed["lp_final"])
+
+
+def _assert_close(saved: dict, resumed: dict, rel: float = 1e-5) -> None:
+    torch.testing.assert_close(resumed["lp_at_save"], saved["lp_at_save"], rtol=0, atol=1e-5)
+    for a, b in zip(saved["train"], resumed["train"], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=rel)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=rel)
+    torch.testing.assert_close(resumed["lp_final"], saved["lp_final"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_exact_resume_and_reshard_on_load(layout, model_dir, tmp_path):
+    """Save at step 1 (sync and async), run 3 more steps; a fresh 2-rank process loads step 1
+    and runs the same 3 steps bit for bit, from the sync and from the async checkpoint. Then
+    one rank (TP1, PP1, DP1) loads the same checkpoint and continues within 1e-5."""
+    tp, pp, distopt = LAYOUTS[layout]
+    flag = ["distopt"] if distopt else []
+    ckpt = tmp_path / "ckpt"
+    torchrun("save", model_dir, ckpt, tmp_path / "save.pt", tp, pp, *flag)
+    torchrun("resume", model_dir, ckpt, tmp_path / "resume.pt", tp, pp, *flag)
+    saved = torch.load(tmp_path / "save.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
+    _assert_bitwise(saved, resumed)
+    _assert_bitwise(saved, {"lp_at_save": resumed["lp_at_save"], **resumed["async"]})
+
+    weights, optim = paths(ckpt, "sync")
+    single = MegatronPolicyWorker(
+        config(str(model_dir), tp=1, pp=1, distopt=distopt),
+        weights_path=str(weights),
+        optimizer_path=str(optim),
+    )
+    _assert_close(saved, run_resume(single, ckpt))
+
+
+def test_one_rank_checkpoint_loads_into_tp2(model_dir, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    saved = run_save(MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1)), ckpt)
+    torchrun("resume", model_dir, ckpt, tmp_path / "resume.pt", 2, 1)
+    _assert_close(saved, torch.load(tmp_path / "resume.pt", weights_only=False))
+
+
+@pytest.fixture(scope="module")
+def saved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A checkpoint of one rank after one step, with its weights and optimizer directories."""
+    folder = tmp_path_factory.mktemp("saved")
+    worker = make_worker(model_dir)
+    worker.train(make_batch(), NLLLoss())
+    worker.save_checkpoint(folder / "weights", folder / "optim")
+    return folder / "weights", folder / "optim"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    return dst
+
+
+def _params(worker: MegatronPolicyWorker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.state.model.named_parameters()}
+
+
+def test_bad_checkpoints_are_refused_before_any_weight_changes(saved, model_dir, tmp_path):
+    weights, _ = saved
+    worker = make_worker(model_dir)
+    before = _params(worker)
+    truncated = _copy(weights, tmp_path / "truncated")
+    shard = next(truncated.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    corrupt = _copy(weights, tmp_path / "corrupt")
+    shard = next(corrupt.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    incomplete = _copy(weights, tmp_path / "incomplete")
+    (incomplete / "policyworker.json").unlink()
+    other_save = tmp_path / "other"
+    worker_b = make_worker(model_dir)
+    worker_b.save_checkpoint(other_save / "weights", other_save / "optim")
+    cases = {
+        truncated: "truncated",
+        corrupt: "does not load",
+        incomplete: "not a complete checkpoint",
+        tmp_path / "missing": "not a directory",
+    }
+    for folder, message in cases.items():
+        with pytest.raises(CheckpointError, match=message):
+            worker.load_checkpoint(folder)
+    with pytest.raises(CheckpointError, match="another save"):
+        worker.load_checkpoint(weights, other_save / "optim")
+    after = _params(worker)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_checkpoint_of_another_model_shape_is_refused(saved, tmp_path):
+    other = make_hf_model(tmp_path / "wide", "qwen2", vocab_size=101, hidden_size=128)
+    with pytest.raises(CheckpointError, match="hidden_size=64"):
+        MegatronPolicyWorker(config(str(other), tp=1, pp=1), weights_path=str(saved[0]))
+
+
+def test_save_argument_errors(saved, model_dir, tmp_path):
+    worker = make_worker(model_dir)
+    with pytest.raises(ValueError, match="exists"):
+        worker.save_checkpoint(saved[0])
+    with pytest.raises(ValueError, match="apart from weights_path"):
+        worker.save_checkpoint(tmp_path / "w", tmp_path / "w")
+    no_opt = MegatronPolicyWorker(
+        config(str(model_dir), tp=1, pp=1), init_optimizer=False, init_reference_model=False
+    )
+    with pytest.raises(ValueError, match="no optimizer"):
+        no_opt.save_checkpoint(tmp_path / "w", tmp_path / "o")
+    with pytest.raises(ValueError, match="optimizer_path"):
+        MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1), optimizer_path=str(saved[1]))
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("point", ["checkpoint.write", "checkpoint.commit"])
+def test_killed_during_a_save_leaves_the_previous_checkpoint(model_dir, tmp_path, mode, point):
+    script = HERE / "ckpt_crash.py"
+    cmd = [sys.executable, str(script), str(model_dir), str(tmp_path), point, mode]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:  # a file, not a pipe: dist-checkpointing's helper process outlives it
+        proc = subprocess.Popen(cmd, env=_clean_env(), stdout=f, stderr=f, start_new_session=True)
+        try:
+            code = proc.wait(timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # and its helpers
+    assert code == -signal.SIGKILL, log.read_text()[-3000:]  # killed at the fault point
+    assert not (tmp_path / "b" / "weights").exists()
+    assert not (tmp_path / "b" / "optim").exists()
+    leftovers = [p for p in (tmp_path / "b").iterdir()]
+    assert leftovers and all(p.name.startswith(".") for p in leftovers)
+    assert not any((p / "policyworker.json").exists() for p in leftovers)
+    worker = make_worker(model_dir)
+    for left in leftovers:
+        with pytest.raises(CheckpointError):
+            worker.load_checkpoint(left)
+    worker.load_checkpoint(tmp_path / "a" / "weights", tmp_path / "a" / "optim")
+    assert worker.state.scheduler.num_steps == 1
+
+
+def test_export_cli_writes_a_folder_transformers_loads(saved, model_dir, tmp_path):
+    from policyworker.cli import main
+
+    out = tmp_path / "hf"
+    main(["export", "--checkpoint", str(saved[0]), "--out", str(out)])
+    worker = MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1), weights_path=str(saved[0]))
+    data = make_batch()
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    torch.testing.assert_close(hf_logprobs(out, data), ours, rtol=0, atol=1e-4)
+    assert json.loads((saved[0] / "policyworker.json").read_text())["step"] == 1
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+
+
+def test_hf_folder_as_weights_path(model_dir):
+    worker = MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1), weights_path=str(model_dir))
+    base = MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1))
+    data = make_batch()
+    assert torch.equal(
+        worker.get_logprobs(data=data)["logprobs"], base.get_logprobs(data=data)["logprobs"]
+    )
