@@ -72,8 +72,11 @@ def test_loss_is_invariant_to_micro_batch_size(llama_dir, name):
         if key not in ("num_microbatches", "lr"):
             assert m2[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
     assert m2["grad_norm"] > 0
+    # Adam's first step is ~lr * sign(g): an element whose gradient is near eps moves by a
+    # sizeable fraction of lr on a last-bit difference (which the CPU's kernels decide), so the
+    # bound is 1e-4 = lr / 10, as for the parallel layouts; a normalization error moves ~lr.
     for n in p2:
-        assert (p2[n] - p4[n]).abs().max() <= 1e-5, n
+        assert (p2[n] - p4[n]).abs().max() <= 1e-4, n
 
 
 def test_dpo_refuses_micro_batches_that_split_pairs(llama_dir):

@@ -41,6 +41,7 @@ from policyworker.checkpoint.commit import (
     read_manifest,
     write_manifest,
 )
+from policyworker.memory.host import HostArena
 from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups, ParallelDims
 
@@ -94,6 +95,7 @@ class Checkpointer:
         self.t = trainee
         self.verify_integrity = verify_integrity
         self._pending: _Pending | None = None
+        self._arena: HostArena | None = None  # staging memory, reused by every save
         self.last_save_timing: dict[str, float] = {}
 
     # --- save ------------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ class Checkpointer:
             opt_meta = {**base, "kind": "training_state", "distributed_optimizer": _is_dist(t)}
             trees.append((optimizer_path, opt_tree, opt_meta))
         trees.insert(0, (weights_path, live_model_sd, {**base, "kind": "weights"}))
-        staged = sum(sd.stage(tree) for _, tree, _ in trees)
+        staged, self._arena = sd.stage([tree for _, tree, _ in trees], self._arena)
         staged_s = time.perf_counter() - start
         pending = _Pending(requests=[], commits=[])
         for target, tree, meta in trees:

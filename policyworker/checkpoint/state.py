@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from policyworker.memory.host import HostArena
 from policyworker.parallel.dims import Groups, ParallelDims
 from policyworker.train.optimizer import optimizer_parts
 
@@ -173,27 +174,33 @@ def complete_adam_state(optimizer: Any) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
 
-def stage(sd: StateDict) -> int:
-    """Replace every sharded tensor's data with a host copy (pinned, one sync on GPU); returns
-    the bytes copied. Factories are applied first so that what is staged is what is written."""
-    apply_factories(sd)
-    copies: list[int] = []
+def stage(trees: list[StateDict], arena: HostArena | None) -> tuple[int, HostArena | None]:
+    """Replace every sharded tensor's data in `trees` with a host copy; returns the bytes copied
+    and the host arena that holds them (`arena` again when the sizes match, so a run's saves
+    page-lock their staging memory once). Factories are applied first so that what is staged is
+    what is written. One device sync."""
+    found: list[ShardedTensor] = []
 
-    def to_host(x: Any) -> Any:
+    def note(x: Any) -> Any:
         if isinstance(x, ShardedTensor) and x.data is not None:
-            src = x.data.detach()
-            if src.device.type == "cpu":
-                x.data = src.clone()
-            else:
-                x.data = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                x.data.copy_(src, non_blocking=True)
-            copies.append(src.numel() * src.element_size())
+            found.append(x)
         return x
 
-    dict_list_map_inplace(to_host, sd)
+    for tree in trees:
+        apply_factories(tree)
+        dict_list_map_inplace(note, tree)
+    sizes = [x.data.numel() * x.data.element_size() for x in found]
+    if arena is None or not arena.fits(sizes):
+        arena = None  # the old one is freed before the new one is allocated
+        arena = HostArena(sizes, pin=torch.cuda.is_available())
+    for i, x in enumerate(found):
+        src = x.data.detach()
+        host = arena.slot(i).view(src.dtype).view(src.shape)
+        host.copy_(src, non_blocking=True)
+        x.data = host
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return sum(copies)
+    return sum(sizes), arena
 
 
 def fresh(sd: StateDict) -> StateDict:
