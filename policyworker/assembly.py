@@ -116,5 +116,8 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
         hf_config=w.hf_config,
         precision=w.cfg.precision,
     )
-    checkpoints = Checkpointer(trainee, verify_integrity=w.cfg.checkpoint.verify_integrity)
+    ckpt = w.cfg.checkpoint
+    checkpoints = Checkpointer(
+        trainee, verify_integrity=ckpt.verify_integrity, writer_threads=ckpt.writer_threads
+    )
     return refit, memory, checkpoints

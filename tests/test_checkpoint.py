@@ -129,7 +129,7 @@ def test_bad_checkpoints_are_refused_before_any_weight_changes(saved, model_dir,
     worker_b.save_checkpoint(other_save / "weights", other_save / "optim")
     cases = {
         truncated: "truncated",
-        corrupt: "does not load",
+        corrupt: "SHA-256 differs",
         incomplete: "not a complete checkpoint",
         tmp_path / "missing": "not a directory",
     }
@@ -212,3 +212,25 @@ def test_hf_folder_as_weights_path(model_dir):
     assert torch.equal(
         worker.get_logprobs(data=data)["logprobs"], base.get_logprobs(data=data)["logprobs"]
     )
+
+
+def test_integrity_digests_per_chunk_and_names_the_corrupt_file(tmp_path, monkeypatch):
+    from policyworker.checkpoint import integrity
+
+    monkeypatch.setattr(integrity, "CHUNK", 1000)
+    monkeypatch.setattr(integrity, "_READ", 300)  # several reads per chunk
+    files = {"a.distcp": os.urandom(2500), "b.distcp": os.urandom(10), "empty": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    sizes = {name: len(data) for name, data in files.items()}
+    recorded = integrity.digests(tmp_path, sizes)
+    assert [len(recorded[n]) for n in sorted(files)] == [3, 1, 1]
+    import hashlib
+
+    assert recorded["a.distcp"][2] == hashlib.sha256(files["a.distcp"][2000:]).hexdigest()
+    integrity.verify(tmp_path, recorded, "weights_path")  # intact: no error
+    data = bytearray(files["a.distcp"])
+    data[1500] ^= 1  # the second chunk
+    (tmp_path / "a.distcp").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"weights_path: .* a\.distcp$"):
+        integrity.verify(tmp_path, recorded, "weights_path")

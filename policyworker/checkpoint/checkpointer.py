@@ -16,6 +16,7 @@ optimizer directory from another save.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -25,8 +26,11 @@ from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+from policyworker.checkpoint import integrity
 from policyworker.checkpoint import state as sd
 from policyworker.checkpoint.commit import (
     CheckpointError,
@@ -91,9 +95,13 @@ class _Pending:
 class Checkpointer:
     """One rank's checkpoint I/O; holds at most one unfinished async save."""
 
-    def __init__(self, trainee: Trainee, *, verify_integrity: bool) -> None:
+    def __init__(self, trainee: Trainee, *, verify_integrity: bool, writer_threads: int) -> None:
         self.t = trainee
         self.verify_integrity = verify_integrity
+        self.writer_threads = writer_threads
+        # One save strategy per directory kind, kept: after the first save megatron reuses its
+        # plans, and the sharding is validated once (the model's sharding does not change).
+        self._strategies: dict[str, TorchDistSaveShardedStrategy] = {}
         self._pending: _Pending | None = None
         self._arena: HostArena | None = None  # staging memory, reused by every save
         self.last_save_timing: dict[str, float] = {}
@@ -135,24 +143,34 @@ class Checkpointer:
             trees.append((optimizer_path, opt_tree, opt_meta))
         trees.insert(0, (weights_path, live_model_sd, {**base, "kind": "weights"}))
         staged, self._arena = sd.stage([tree for _, tree, _ in trees], self._arena)
-        staged_s = time.perf_counter() - start
+        staged_s = time.perf_counter() - start  # copies issued (waited for after planning)
         pending = _Pending(requests=[], commits=[])
+        _in_process_results()
         for target, tree, meta in trees:
             tmp = make_tmp(target)
+            first = meta["kind"] not in self._strategies
+            strategy = self._strategies.setdefault(
+                meta["kind"],
+                TorchDistSaveShardedStrategy(
+                    thread_count=self.writer_threads, cached_metadata=True
+                ),
+            )
             request = dist_checkpointing.save(
                 tree,
                 str(tmp),
+                sharded_strategy=strategy,
+                validate_access_integrity=first,
                 async_sharded_save=True,
                 async_strategy="mcore",
-                verify_integrity=self.verify_integrity,
             )
-            args = list(request.async_fn_args)
-            if request.preload_fn is not None:
-                args[1] = request.preload_fn()  # already host tensors: no copy
-            pending.requests.append((request, args))
+            # Not request.preload_fn: the tensors are on the host already, and it synchronizes
+            # the device (which would end the overlap with the staging copies).
+            pending.requests.append((request, list(request.async_fn_args)))
             pending.commits.append((tmp, target, meta))
         if rank() == 0:
             _write_hf_files(pending.commits[0][0], t.hf_config, tokenizer)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the staging copies, which the planning above overlapped
         self.last_save_timing = {"stage_s": staged_s, "staged_bytes": float(staged)}
         self._pending = pending
         if async_save:
@@ -181,9 +199,17 @@ class Checkpointer:
                 fn()  # collective: gathers write results, writes the metadata
         fault_point("checkpoint.commit")
 
+        manifests = []
+        for tmp, _, meta in pending.commits:
+            files = file_sizes(tmp)
+            sha = {"sha256": integrity.digests(tmp, files)} if self.verify_integrity else {}
+            manifests.append({**meta, "files": files, **sha})
+
         def commit_all() -> None:
-            for tmp, target, meta in reversed(pending.commits):  # the weights last
-                write_manifest(tmp, {**meta, "files": file_sizes(tmp)})
+            for (tmp, target, _), manifest in reversed(
+                list(zip(pending.commits, manifests, strict=True))
+            ):
+                write_manifest(tmp, manifest)  # the weights last
                 commit(tmp, target)
 
         from_rank0(commit_all)
@@ -240,10 +266,10 @@ def check_model(manifest: dict[str, Any], shape: ModelShape, field: str) -> None
 
 
 def _load(tree: dict[str, Any], folder: Path, manifest: dict[str, Any], field: str) -> Any:
+    if "sha256" in manifest:
+        integrity.verify(folder, manifest["sha256"], field)
     try:
-        return dist_checkpointing.load(
-            tree, str(folder), verify_integrity=bool(manifest.get("verify_integrity"))
-        )
+        return dist_checkpointing.load(tree, str(folder))
     except Exception as e:  # dist-checkpointing raises many types; name the directory
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{field}: {folder} does not load: {reason[:500]}") from e
@@ -273,6 +299,16 @@ def _is_dist(t: Trainee) -> bool:
     from policyworker.train.optimizer import optimizer_parts
 
     return any(isinstance(p, DistributedOptimizer) for p in optimizer_parts(t.optimizer))
+
+
+def _in_process_results() -> None:
+    """Give this save's writers a fresh in-process results queue.
+
+    mcore's writers report through a cached queue that by default a spawned multiprocessing
+    Manager serves: a helper process that re-imports the caller's `__main__` (a script without a
+    main guard runs twice) and outlives a killed trainer. Our writes run in this process, so a
+    thread-safe queue does; a fresh one per save leaves no result of a failed save behind."""
+    filesystem_async._results_queue = queue.Queue()
 
 
 def _run_writes(pending: _Pending) -> None:

@@ -178,7 +178,8 @@ def stage(trees: list[StateDict], arena: HostArena | None) -> tuple[int, HostAre
     """Replace every sharded tensor's data in `trees` with a host copy; returns the bytes copied
     and the host arena that holds them (`arena` again when the sizes match, so a run's saves
     page-lock their staging memory once). Factories are applied first so that what is staged is
-    what is written. One device sync."""
+    what is written. The device-to-host copies are only issued: the caller synchronizes (and
+    plans the write meanwhile) before it reads the host tensors or lets the live ones change."""
     found: list[ShardedTensor] = []
 
     def note(x: Any) -> Any:
@@ -195,11 +196,9 @@ def stage(trees: list[StateDict], arena: HostArena | None) -> tuple[int, HostAre
         arena = HostArena(sizes, pin=torch.cuda.is_available())
     for i, x in enumerate(found):
         src = x.data.detach()
-        host = arena.slot(i).view(src.dtype).view(src.shape)
+        host = arena.tensor(i, src.dtype, src.shape)
         host.copy_(src, non_blocking=True)
         x.data = host
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
     return sum(sizes), arena
 
 

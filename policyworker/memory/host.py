@@ -34,6 +34,7 @@ class HostArena:
             self.offsets.append(total)
             total += _round_up(n, ALIGN)
         self.buffer = torch.empty(total, dtype=torch.uint8)
+        self._bytes: memoryview | None = None
         if pin and prefault:
             self.buffer.zero_()  # fault the pages in on all cores; registering then only locks
         self.pinned = pin and total > 0 and _register(self.buffer)
@@ -49,6 +50,18 @@ class HostArena:
 
     def slot(self, i: int) -> torch.Tensor:
         return self.buffer[self.offsets[i] : self.offsets[i] + self.sizes[i]]
+
+    def tensor(self, i: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        """Slot `i` as a tensor whose storage is exactly the slot, not a view of the whole
+        buffer: code that clones views of larger storages (megatron's checkpoint writer does)
+        then takes it as it is."""
+        count = shape.numel()
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        if self._bytes is None:
+            self._bytes = memoryview(self.buffer.numpy())
+        flat = torch.frombuffer(self._bytes, dtype=dtype, count=count, offset=self.offsets[i])
+        return flat.view(shape)
 
 
 def _register(buffer: torch.Tensor) -> bool:
