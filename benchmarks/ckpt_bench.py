@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import torch
-from memory_bench import raw_copy_seconds, seconds
-from train_bench import DEVICE, emit, free, random_model
+from memory_bench import raw_copy_seconds, seconds, trained_worker
+from train_bench import DEVICE, emit, free
 
 GB = 1e9
 
@@ -69,30 +69,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the JSON line here")
     args = parser.parse_args()
 
-    from policyworker import BatchedDataDict, MegatronPolicyWorker, NLLLoss, PolicyConfig
+    from policyworker import NLLLoss
 
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
-    folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
-    b, s = 2, 512
-    worker = MegatronPolicyWorker(
-        PolicyConfig(
-            model_name=str(folder),
-            precision="bfloat16",
-            train_global_batch_size=b,
-            train_micro_batch_size=b,
-            max_total_sequence_length=s,
-        ),
-        init_reference_model=False,
-    )
-    ids = torch.randint(0, cfg.vocab_size, (b, s))
-    data = BatchedDataDict(
-        input_ids=ids,
-        input_lengths=torch.full((b,), s),
-        token_mask=torch.ones(b, s),
-        sample_mask=torch.ones(b),
-    )
-    worker.train(data, NLLLoss())  # Adam state exists from here on
-    free()
+    worker, data, folder, n_params = trained_worker(args.layers, args.hidden, args.vocab)
 
     def save(name: str, *, async_save: bool, verify: bool = True) -> dict[str, float]:
         worker.checkpoints.verify_integrity = verify

@@ -72,18 +72,12 @@ def _rss() -> int:
     return _resident_bytes() if DEVICE == "cuda" else 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=22)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--cycles", type=int, default=20)
-    parser.add_argument("--out", default=None, help="also write the JSON line here")
-    args = parser.parse_args()
-
+def trained_worker(layers: int, hidden: int, vocab: int):
+    """A bf16 worker on a random model after one NLL step (so Adam state exists), with its batch:
+    (worker, batch, model folder, parameter count)."""
     from policyworker import BatchedDataDict, MegatronPolicyWorker, NLLLoss, PolicyConfig
 
-    folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
+    folder, cfg, n_params = random_model(layers, hidden, vocab)
     b, s = 2, 512
     worker = MegatronPolicyWorker(
         PolicyConfig(
@@ -96,15 +90,29 @@ def main() -> None:
         ),
         init_reference_model=False,
     )
-    ids = torch.randint(0, cfg.vocab_size, (b, s))
     data = BatchedDataDict(
-        input_ids=ids,
+        input_ids=torch.randint(0, cfg.vocab_size, (b, s)),
         input_lengths=torch.full((b,), s),
         token_mask=torch.ones(b, s),
         sample_mask=torch.ones(b),
     )
-    worker.train(data, NLLLoss())  # Adam state exists from here on
+    worker.train(data, NLLLoss())
     free()
+    return worker, data, folder, n_params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--out", default=None, help="also write the JSON line here")
+    args = parser.parse_args()
+
+    from policyworker import NLLLoss
+
+    worker, data, _, n_params = trained_worker(args.layers, args.hidden, args.vocab)
     training = device_figures(worker)
     placed = worker.memory.bytes_by_place()
     state_bytes = sum(placed.values())

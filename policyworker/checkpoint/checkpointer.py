@@ -142,7 +142,8 @@ class Checkpointer:
             opt_meta = {**base, "kind": "training_state", "distributed_optimizer": _is_dist(t)}
             trees.append((optimizer_path, opt_tree, opt_meta))
         trees.insert(0, (weights_path, live_model_sd, {**base, "kind": "weights"}))
-        staged, self._arena = sd.stage([tree for _, tree, _ in trees], self._arena)
+        arena, self._arena = self._arena, None  # stage may free it before allocating anew
+        staged, self._arena = sd.stage([tree for _, tree, _ in trees], arena)
         staged_s = time.perf_counter() - start  # copies issued (waited for after planning)
         pending = _Pending(requests=[], commits=[])
         _in_process_results()

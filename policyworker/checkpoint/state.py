@@ -192,7 +192,7 @@ def stage(trees: list[StateDict], arena: HostArena | None) -> tuple[int, HostAre
         dict_list_map_inplace(note, tree)
     sizes = [x.data.numel() * x.data.element_size() for x in found]
     if arena is None or not arena.fits(sizes):
-        arena = None  # the old one is freed before the new one is allocated
+        arena = None  # the caller's one is dropped (freed) before the new one is allocated
         arena = HostArena(sizes, pin=torch.cuda.is_available())
     for i, x in enumerate(found):
         src = x.data.detach()
