@@ -26,8 +26,10 @@ _HOME = {
     "MegatronPolicyWorker": "policyworker.worker",
     "NLLLoss": "policyworker.losses",
     "PhaseError": "policyworker.memory.residency",
+    "Policy": "policyworker.parallel.policy",
     "PolicyConfig": "policyworker.config",
     "RefitError": "policyworker.refit.layout",
+    "WorkerError": "policyworker.parallel.group",
     "load_config": "policyworker.config",
 }
 
@@ -45,8 +47,10 @@ __all__ = [
     "MegatronPolicyWorker",
     "NLLLoss",
     "PhaseError",
+    "Policy",
     "PolicyConfig",
     "RefitError",
+    "WorkerError",
     "load_config",
 ]
 
@@ -79,5 +83,7 @@ if TYPE_CHECKING:
         NLLLoss,
     )
     from policyworker.memory.residency import PhaseError
+    from policyworker.parallel.group import WorkerError
+    from policyworker.parallel.policy import Policy
     from policyworker.refit.layout import RefitError
     from policyworker.worker import MegatronPolicyWorker

@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
     check = sub.add_parser("refit-check", help="refit a receiver process and compare both sides")
     check.add_argument("--model", required=True, help="HF checkpoint folder")
-    check.add_argument("--transport", default="ipc", choices=["ipc", "collective"])
+    check.add_argument("--transport", default="ipc", choices=["ipc", "collective", "reshard"])
+    check.add_argument("--trainer-tp", type=int, default=1, help="trainer ranks (TP)")
+    check.add_argument("--receiver-tp", type=int, default=1, help="destination ranks (reshard)")
     check.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     check.add_argument("--buffer-size", type=int, default=0, help="bytes per buffer (0: auto)")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds, both sides")
@@ -77,13 +79,18 @@ def _refit_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.exit(2, f"{parser.prog}: error: --buffer-size >= 0 and --timeout > 0 expected\n")
     from policyworker.refit.check import CheckOptions, main
 
-    opts = CheckOptions(
-        model=args.model,
-        transport=args.transport,
-        precision=args.precision,
-        buffer_size_bytes=args.buffer_size,
-        timeout_s=args.timeout,
-    )
+    try:
+        opts = CheckOptions(
+            model=args.model,
+            transport=args.transport,
+            precision=args.precision,
+            buffer_size_bytes=args.buffer_size,
+            timeout_s=args.timeout,
+            trainer_tp=args.trainer_tp,
+            receiver_tp=args.receiver_tp,
+        )
+    except ValueError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     sys.exit(main(opts))
 
 

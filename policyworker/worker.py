@@ -38,13 +38,7 @@ from policyworker.model.hf_config import check_sliding_window, load_hf_config, m
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.weights import export_hf_weights
 from policyworker.ops.logprobs import topk_logits
-from policyworker.parallel.dims import (
-    Groups,
-    ParallelDims,
-    check_layout,
-    init_distributed,
-    init_model_parallel,
-)
+from policyworker.parallel.dims import check_layout, setup_parallel
 from policyworker.refit.ipc import RefitReport
 from policyworker.refit.layout import RefitInfo
 from policyworker.refit.source import check_refit_args
@@ -83,8 +77,12 @@ class MegatronPolicyWorker:
         optimizer_path: str | None = None,
         init_optimizer: bool = True,
         init_reference_model: bool = True,
+        is_refit_destination: bool = False,
     ) -> None:
         self.cfg = config
+        self.is_refit_destination = is_refit_destination  # receives reshard refits; never trains
+        if is_refit_destination:
+            init_optimizer = init_reference_model = False
         self.tokenizer = tokenizer
         hf_weights, checkpoint = initial_weights(
             config.model_name, weights_path, optimizer_path, init_optimizer=init_optimizer
@@ -95,18 +93,7 @@ class MegatronPolicyWorker:
         check_layout(config.parallel, self.shape)
 
         apply_cpu_patches()
-        init_distributed()
-        p = config.parallel
-        self.dims = ParallelDims.from_world(
-            world_size=dist.get_world_size(),
-            tp=p.tensor_model_parallel_size,
-            pp=p.pipeline_model_parallel_size,
-            cp=p.context_parallel_size,
-            ep=p.expert_model_parallel_size,
-            sp=p.sequence_parallel,
-        )
-        init_model_parallel(self.dims)
-        self.groups = Groups.current()
+        self.dims, self.groups = setup_parallel(config.parallel)
         self.plan = build_plan(config, self.dims, self.groups)
         torch.manual_seed(config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
@@ -137,6 +124,15 @@ class MegatronPolicyWorker:
             self.load_checkpoint(checkpoint, optimizer_path)
         if init_reference_model and self.state.reference is None:  # no HF weights: the checkpoint's
             self.state.reference = ReferenceWeights(global_named_parameters(self.state.model))
+
+    @staticmethod
+    def configure_worker(
+        num_gpus: int, bundle_indices: list[int] | None = None
+    ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
+        """A Ray actor hosting this worker: (resources, extra env, extra constructor arguments).
+        One rank per actor and bundle: `num_gpus` GPUs and one CPU, whichever the bundle."""
+        del bundle_indices
+        return {"num_gpus": num_gpus, "num_cpus": 1}, {}, {}
 
     # --- inference -------------------------------------------------------------------------------
 
@@ -225,12 +221,7 @@ class MegatronPolicyWorker:
         self._require_no_open_step("train")
         self.memory.require("train", *(("params",) if eval_mode else _TRAIN_STATE))
         gbs, mbs = self._step_sizes(gbs, mbs)
-        b, _ = validate_batch(
-            data,
-            required=loss_fn.required_keys,
-            max_seq_len=self.cfg.max_total_sequence_length,
-            vocab_size=self.shape.vocab_size,
-        )
+        b = self._validate(data, loss_fn.required_keys)
         local_gbs = check_batch_sizes(
             gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dims.dp
         )
@@ -271,12 +262,7 @@ class MegatronPolicyWorker:
         step = self._require_open_step("train_microbatch")
         self.memory.require("train_microbatch", "params", "grads")
         spec = step.spec
-        b, _ = validate_batch(
-            data,
-            required=spec.loss_fn.required_keys,
-            max_seq_len=self.cfg.max_total_sequence_length,
-            vocab_size=self.shape.vocab_size,
-        )
+        b = self._validate(data, spec.loss_fn.required_keys)
         if b % spec.mbs or step.rows + b > spec.local_rows:
             raise ValueError(
                 f"data: expected a multiple of mbs={spec.mbs} rows and at most the "
@@ -426,6 +412,35 @@ class MegatronPolicyWorker:
             buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, timeout_s=refit_timeout_s
         )
 
+    def init_reshard(
+        self,
+        host: str,
+        port: int,
+        sources: int,
+        destinations: int,
+        refit_timeout_s: float | None = None,
+    ) -> None:
+        """Join the reshard group: every rank of the trainer (`sources` ranks) and of the
+        destination workers (`is_refit_destination=True`, `destinations` ranks) calls it with the
+        same arguments; trainer rank 0 hosts the store at host:port. Blocks until all joined."""
+        self.refit.join_reshard(
+            host,
+            port,
+            sources,
+            destinations,
+            destination=self.is_refit_destination,
+            timeout_s=refit_timeout_s,
+        )
+
+    def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> RefitReport | int | None:
+        """Refit the destination workers of `init_reshard` in their own TP layout: each
+        destination rank receives only its shards of the TP-split weights, straight from the
+        trainer rank that holds them, and applies them only when the whole refit arrived. Both
+        sides call it; trainer rank 0 returns the report, a destination the version it applied."""
+        check_refit_args(0, refit_timeout_s)
+        self.memory.require("nccl_reshard_refit", "params")
+        return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
+
     # --- checkpoints (policyworker.checkpoint) ---------------------------------------------------
 
     def save_checkpoint(
@@ -513,14 +528,14 @@ class MegatronPolicyWorker:
         mbs = self.cfg.logprob_batch_size if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
-        validate_batch(
-            data,
-            required=(),
-            max_seq_len=self.cfg.max_total_sequence_length,
-            vocab_size=self.shape.vocab_size,
-        )
+        self._validate(data, ())
         self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
         return mbs
+
+    def _validate(self, data: BatchedDataDict, required: tuple[str, ...]) -> int:
+        """The batch against the contract (`BatchValidationError`); its size."""
+        max_len, vocab = self.cfg.max_total_sequence_length, self.shape.vocab_size
+        return validate_batch(data, required=required, max_seq_len=max_len, vocab_size=vocab)[0]
 
     def _require_no_open_step(self, call: str, needs_optimizer: bool = True) -> None:
         if needs_optimizer and self.state.ddp is None:

@@ -110,3 +110,19 @@ def test_bad_jsonl_names_the_line(tmp_path):
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         load_jsonl(path)
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_demo_through_two_workers_matches_one(tmp_path, backend):
+    """workers=2 (data parallel through the driver), local processes or Ray actors: the same SFT
+    losses as one worker, and GRPO steps that run (sampling makes later rows diverge)."""
+    args = ["sft_steps=3", "grpo_steps=2", "prompts_per_step=4", "group_size=4"]
+    args += ["micro_batch_size=8", "sft_batch=16"]
+    main(["demo", "--out", str(tmp_path / "one"), *args])
+    main(["demo", "--out", str(tmp_path / "two"), "workers=2", f"backend={backend}", *args])
+    one, two = _demo_rows(tmp_path / "one"), _demo_rows(tmp_path / "two")
+    assert [r["phase"] for r in two] == ["sft"] * 3 + ["grpo"] * 2
+    for a, b in zip(one[:3], two[:3], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert all(r["weight_version"] >= 1 for r in two[3:])

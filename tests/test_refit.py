@@ -232,6 +232,14 @@ def test_refit_check_reports_and_fails_on_a_mismatch(llama_dir, monkeypatch, cap
     assert check.main(collective) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["ok"] and row["transport"] == "collective" and row["weight_version"] == 1
+    # layout options: a TP2 trainer resharded into one destination rank
+    reshard = check.CheckOptions(
+        model=str(llama_dir), transport="reshard", trainer_tp=2, receiver_tp=1, refits=2
+    )
+    assert check.main(reshard) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["ok"] and row["weights_equal"] and row["weight_version"] == 2
+    assert (row["trainer_tp"], row["receiver_tp"], row["names"]) == (2, 1, 21)
     monkeypatch.setattr(process, "tensor_sums", lambda t: (0.0, 0.0))
     assert check.main(opts) == 1
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_equal"] is False
@@ -241,6 +249,12 @@ def test_refit_check_refuses_bad_options_before_starting(tmp_path):
     cmd = [sys.executable, "-m", "policyworker", "refit-check", "--model", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--model: no config.json" in proc.stderr
+    from policyworker.refit.check import CheckOptions
+
+    with pytest.raises(ValueError, match="--receiver-tp"):
+        CheckOptions(model=str(tmp_path), transport="ipc", receiver_tp=2)
+    with pytest.raises(ValueError, match="--transport"):
+        CheckOptions(model=str(tmp_path), transport="rdma")
 
 
 def _collective_pair(worker, folder, info, timeout_s=30.0):

@@ -70,6 +70,11 @@ class DemoConfig:
         default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
     )
     """ClippedPGLoss options."""
+    workers: int = 1
+    """Worker processes (data parallel), started and driven by `policyworker.Policy`."""
+    backend: Literal["local", "ray"] = "local"
+    """How the workers run: processes of this machine, or Ray actors (a local Ray cluster
+    unless `RAY_ADDRESS` names one)."""
     save_every: int = 0
     """Save a checkpoint every this many steps (SFT and GRPO steps count alike) to
     `out/checkpoints/step_N/` (worker weights, optimizer state and the loop's own state); 0: never."""
@@ -84,7 +89,14 @@ class DemoConfig:
 
         for name in ("sft_steps", "grpo_steps", "save_every"):
             check(getattr(self, name) >= 0, name, ">= 0")
-        for name in ("sft_batch", "prompts_per_step", "micro_batch_size", "max_new_tokens"):
+        check(self.backend in ("local", "ray"), "backend", "'local' or 'ray'")
+        for name in (
+            "sft_batch",
+            "prompts_per_step",
+            "micro_batch_size",
+            "max_new_tokens",
+            "workers",
+        ):
             check(getattr(self, name) >= 1, name, ">= 1")
         check(self.group_size >= 2, "group_size", ">= 2 (advantages compare samples of a prompt)")
         for name in ("sft_lr", "grpo_lr", "temperature"):
@@ -92,9 +104,12 @@ class DemoConfig:
         check(0 <= self.sft_wrong_fraction <= 1, "sft_wrong_fraction", "a fraction in [0, 1]")
         rollouts = self.prompts_per_step * self.group_size
         check(
-            rollouts % self.micro_batch_size == 0,
+            rollouts % (self.micro_batch_size * self.workers) == 0,
             "micro_batch_size",
-            f"a divisor of prompts_per_step * group_size = {rollouts}",
+            f"a divisor of prompts_per_step * group_size / workers = {rollouts} / {self.workers}",
+        )
+        check(
+            self.sft_batch % self.workers == 0, "sft_batch", f"a multiple of workers={self.workers}"
         )
         check(
             self.sft_batch % min(self.micro_batch_size, self.sft_batch) == 0,

@@ -1,4 +1,5 @@
-"""The main job: SFT warm-up, then GRPO, with a worker and an in-process sampler.
+"""The main job: SFT warm-up, then GRPO, with a group of workers (`Policy`) and a sampler in its
+own process.
 
     python -m policyworker demo --out runs/demo                    # built-in addition task, CPU
     python -m policyworker demo --model /ckpt --data tasks.jsonl   # your checkpoint (GPU)
@@ -29,7 +30,7 @@ from policyworker.demo.task import Example, addition_examples, encode_prompt, no
 from policyworker.generation.engine import Samples
 from policyworker.generation.process import GenerationProcess
 from policyworker.losses import ClippedPGLoss, NLLLoss
-from policyworker.worker import MegatronPolicyWorker
+from policyworker.parallel.policy import Policy, rank_flags
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def grpo_batch(
 
 
 class Run:
-    """The demo's state: worker, sampler, task, metrics sink."""
+    """The demo's state: the workers (a `Policy`), sampler, task, metrics sink."""
 
     def __init__(self, cfg: DemoConfig, inputs: DemoInputs) -> None:
         self.cfg = cfg
@@ -110,7 +111,7 @@ class Run:
         if model_dir is None:
             model_dir = tiny_llama(self.out / "init", len(self.tokenizer), cfg.seed)
             self.tokenizer.save_pretrained(model_dir)
-        policy = PolicyConfig(
+        policy_cfg = PolicyConfig(
             model_name=str(model_dir),
             precision=cfg.precision,
             train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
@@ -123,8 +124,12 @@ class Run:
             seed=cfg.seed,
         )
         resume = None if cfg.resume is None else Path(cfg.resume)
-        self.worker = MegatronPolicyWorker(
-            policy,
+        if torch.cuda.is_available():  # a memory line per phase (DEBUG level), in every worker
+            logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
+        self.policy = Policy(
+            policy_cfg,
+            num_workers=cfg.workers,
+            backend=cfg.backend,
             tokenizer=self.tokenizer,
             weights_path=None if resume is None else str(resume / "weights"),
             optimizer_path=None if resume is None else str(resume / "optim"),
@@ -134,14 +139,12 @@ class Run:
             loop = json.loads((resume / "loop.json").read_text())
             self.start_step = loop["step"]
             self.rng.setstate(_rng_state(loop["rng"]))
-        if self.worker.device.type == "cuda":  # a memory line per phase (DEBUG level)
-            logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
         # The sampler: a transformers engine in its own process, refitted over IPC.
         self.sampler = GenerationProcess(
             str(model_dir),
-            self.worker.prepare_refit_info(),
+            self.policy.prepare_refit_info(),
             tokenizer=self.tokenizer,
-            device=str(self.worker.device),
+            device=str(self.policy.device),
         )
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
@@ -151,6 +154,7 @@ class Run:
 
     def close(self) -> None:
         self.sampler.close()
+        self.policy.shutdown()
         self.metrics_file.close()
 
     def save(self, steps_done: int) -> None:
@@ -158,7 +162,7 @@ class Run:
         step, the data RNG and the rows so far), written last and atomically: a folder without
         it is not a complete checkpoint."""
         folder = self.out / "checkpoints" / f"step_{steps_done}"
-        self.worker.save_checkpoint(folder / "weights", folder / "optim")
+        self.policy.save_checkpoint(folder / "weights", folder / "optim")
         loop = {"step": steps_done, "rng": self.rng.getstate(), "rows": self.history}
         tmp = folder / "loop.json.tmp"
         tmp.write_text(json.dumps(loop))
@@ -186,9 +190,8 @@ class Run:
             for e in examples
         ]
         batch = sequences_batch(prompts, answers, tok.pad_token_id)
-        m = self.worker.train(
-            batch, NLLLoss(), gbs=cfg.sft_batch, mbs=min(cfg.micro_batch_size, cfg.sft_batch)
-        )
+        mbs = min(cfg.micro_batch_size, cfg.sft_batch // cfg.workers)
+        m = self.policy.train(batch, NLLLoss(), gbs=cfg.sft_batch, mbs=mbs)
         return {
             "step": step,
             "phase": "sft",
@@ -203,13 +206,14 @@ class Run:
         examples = self.draw(cfg.prompts_per_step)
         # The colocated order: free the trainer's device memory around the weight hand-over,
         # generate, then take it back for logprobs and training.
-        self.worker.offload_before_refit()
+        self.policy.offload_before_refit()
         start = time.perf_counter()
-        self.sampler.begin_refit_ipc(self.worker.get_zmq_address())
-        self.worker.stream_weights_via_ipc_zmq()
+        # Rank 0 streams to the one sampler; the other ranks take part in the gathers only.
+        self.sampler.begin_refit_ipc(self.policy.get_zmq_address()[0])
+        self.policy.stream_weights_via_ipc_zmq(send=rank_flags(self.policy.world_size, [0]))
         version = self.sampler.end_refit()  # the version the sampler applied
         refit_s = time.perf_counter() - start
-        self.worker.offload_after_refit()
+        self.policy.offload_after_refit()
         samples = self.sampler.sample(
             [e.prompt for e in examples],
             n=cfg.group_size,
@@ -220,13 +224,13 @@ class Run:
         answers = [e.answer for e in examples for _ in range(cfg.group_size)]
         rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
         batch = grpo_batch(samples, rewards, cfg.group_size, self.tokenizer.pad_token_id)
-        self.worker.prepare_for_lp_inference()
-        batch["prev_logprobs"] = self.worker.get_logprobs(data=batch)["logprobs"]
+        self.policy.prepare_for_lp_inference()
+        batch["prev_logprobs"] = self.policy.get_logprobs(data=batch)["logprobs"]
         if "reference_policy_logprobs" in loss_fn.required_keys:  # only with a KL penalty
-            ref = self.worker.get_reference_policy_logprobs(data=batch)
+            ref = self.policy.get_reference_policy_logprobs(data=batch)
             batch["reference_policy_logprobs"] = ref["reference_logprobs"]
-        self.worker.prepare_for_training()
-        m = self.worker.train(batch, loss_fn)
+        self.policy.prepare_for_training()
+        m = self.policy.train(batch, loss_fn)
         keep = (
             "loss",
             "grad_norm",
@@ -252,9 +256,9 @@ def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:
     run = Run(cfg, load_inputs(cfg) if inputs is None else inputs)
     try:
         _steps(run, cfg)
+        run.policy.save_hf_pretrained(run.out / "hf")
     finally:
         run.close()
-    run.worker.save_hf_pretrained(run.out / "hf")
     from policyworker.demo.plot import plot_metrics
 
     plot_metrics(run.history, run.out / "metrics.png")
@@ -277,7 +281,7 @@ def _steps(run: Run, cfg: DemoConfig) -> None:
     loss_fn = ClippedPGLoss(cfg.loss)
     for step in range(run.start_step, total):
         if step == cfg.sft_steps:
-            run.worker.set_learning_rate(cfg.grpo_lr)
+            run.policy.set_learning_rate(cfg.grpo_lr)
         if step < cfg.sft_steps:
             row = run.sft_step(step)
             bar.set_postfix(phase="sft", loss=f"{row['loss']:.3f}")

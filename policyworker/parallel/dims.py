@@ -208,3 +208,19 @@ def broadcast_object_from_last_stage(obj: object, groups: Groups) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=groups.pp_last_rank, group=groups.pp)
     return box[0]
+
+
+def setup_parallel(parallel: ParallelConfig) -> tuple[ParallelDims, Groups]:
+    """torch.distributed (if nobody started it) and megatron's groups for `parallel`: this
+    rank's sizes and groups."""
+    init_distributed()
+    dims = ParallelDims.from_world(
+        world_size=dist.get_world_size(),
+        tp=parallel.tensor_model_parallel_size,
+        pp=parallel.pipeline_model_parallel_size,
+        cp=parallel.context_parallel_size,
+        ep=parallel.expert_model_parallel_size,
+        sp=parallel.sequence_parallel,
+    )
+    init_model_parallel(dims)
+    return dims, Groups.current()

@@ -1,26 +1,31 @@
 """`python -m policyworker refit-check --model DIR`: does a refit deliver exactly the trainer's
-weights? Starts a trainer (this process) and a receiver (a `GenerationProcess`), refits, scores a
-fixed batch on both sides, prints one JSON line and exits non-zero on any mismatch.
+weights? Starts a trainer (a `Policy` of `--trainer-tp` ranks) and a receiver — a
+`GenerationProcess` (ipc, collective) or destination workers of `--receiver-tp` ranks (reshard) —
+refits, scores a fixed batch on both sides, prints one JSON line and exits non-zero on any
+mismatch.
 
-The receiver's weights must equal the trainer's export bit for bit (compared as per-tensor sums,
-computed where each side holds them), and its logprobs (transformers) must agree with the
-trainer's (megatron-core) within the precision's tolerance.
+The receiver's weights must equal the trainer's export bit for bit (a generation process compares
+per-tensor sums computed where it holds them; destination workers export theirs), and the two
+sides' logprobs must agree within the precision's tolerance.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from policyworker.generation.process import GenerationProcess
+    from policyworker.parallel.policy import Policy
     from policyworker.refit.ipc import RefitReport
-    from policyworker.worker import MegatronPolicyWorker
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # transformers vs megatron-core logprobs
+TRANSPORTS = ("ipc", "collective", "reshard")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,68 +36,146 @@ class CheckOptions:
     buffer_size_bytes: int = 0
     timeout_s: float = 60.0
     refits: int = 2
+    trainer_tp: int = 1
+    """Trainer ranks, all tensor parallel."""
+    receiver_tp: int = 1
+    """Destination worker ranks, all tensor parallel (reshard only)."""
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport: expected one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("trainer_tp", "receiver_tp", "refits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.receiver_tp != 1 and self.transport != "reshard":
+            raise ValueError("--receiver-tp: only the reshard transport has destination workers")
 
 
-def run_check(opts: CheckOptions) -> dict[str, object]:
-    """The refit check; returns the JSON row (`ok` False on any mismatch)."""
-    from policyworker import MegatronPolicyWorker, PolicyConfig
-    from policyworker.config import RefitConfig
-    from policyworker.generation.process import GenerationProcess, tensor_sums
+def _config(opts: CheckOptions, tp: int) -> Any:
+    from policyworker.config import ParallelConfig, PolicyConfig, RefitConfig
 
-    if opts.transport not in ("ipc", "collective"):
-        raise ValueError(f"--transport: expected ipc or collective, got {opts.transport!r}")
-    cfg = PolicyConfig(
+    return PolicyConfig(
         model_name=opts.model,
         precision=opts.precision,
         max_total_sequence_length=64,
         refit=RefitConfig(timeout_s=opts.timeout_s, checksum=True),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp),
     )
-    worker = MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
-    info = worker.prepare_refit_info()
-    device = str(worker.device) if worker.device.type == "cpu" else f"cuda:{worker.device.index}"
-    ids, lengths = _fixed_batch(worker.shape.vocab_size)
-    with GenerationProcess(opts.model, info, device=device, load_weights=False) as gen:
-        if opts.transport == "collective":
-            from policyworker.parallel.dims import _free_port
 
-            port = _free_port()
-            gen.init_collective("127.0.0.1", port, 2, 1)
-            worker.init_collective("127.0.0.1", port, 2)
-        for _ in range(opts.refits):
-            report = _refit(worker, gen, opts)
-            version = gen.end_refit()
-        sums = gen.weight_sums()
-        equal = all(sums[n] == tensor_sums(t) for n, t in worker.export_hf_weights())
-        theirs = gen.logprobs(ids, lengths)
+
+def run_check(opts: CheckOptions) -> dict[str, object]:
+    """The refit check; returns the JSON row (`ok` False on any mismatch)."""
     from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.parallel.policy import Policy
 
-    ours = worker.get_logprobs(data=BatchedDataDict(input_ids=ids, input_lengths=lengths))
+    tp = opts.trainer_tp
+    with (
+        Policy(_config(opts, tp), tp, init_optimizer=False, init_reference_model=False) as trainer,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        ids, lengths = _fixed_batch(trainer.shape.vocab_size)
+        side = _reshard if opts.transport == "reshard" else _engine
+        report, version, equal, theirs = side(trainer, opts, ids, lengths, Path(tmp))
+        ours = trainer.get_logprobs(data=BatchedDataDict(input_ids=ids, input_lengths=lengths))
     diff = float((ours["logprobs"] - theirs).abs().max())
-    assert report is not None
     return {
         "transport": opts.transport,
+        "trainer_tp": opts.trainer_tp,
+        "receiver_tp": opts.receiver_tp,
         "bytes": report.bytes,
         "seconds": report.seconds,
         "gbps": report.gbps,
         "weight_version": version,
-        "trainer_weight_version": worker.weight_version,
+        "trainer_weight_version": report.version,
         "names": report.names,
         "weights_equal": equal,
         "max_logprob_diff": diff,
-        "ok": equal and version == worker.weight_version and diff <= TOLERANCE[opts.precision],
+        "ok": equal and version == report.version and diff <= TOLERANCE[opts.precision],
     }
 
 
-def _refit(
-    worker: MegatronPolicyWorker, gen: GenerationProcess, opts: CheckOptions
-) -> RefitReport | None:
-    """Start the receiver, then send: one refit over the chosen transport."""
-    size = opts.buffer_size_bytes
-    if opts.transport == "collective":
-        gen.begin_refit_collective(opts.timeout_s)
-        return worker.broadcast_weights_for_collective(buffer_size_bytes=size or None)
-    gen.begin_refit_ipc(worker.get_zmq_address(), opts.timeout_s)
-    return worker.stream_weights_via_ipc_zmq(buffer_size_bytes=size)
+def _exported(policy: Policy, folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    policy.save_hf_pretrained(folder)
+    return load_file(folder / "model.safetensors")
+
+
+def _engine(
+    trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
+) -> tuple[RefitReport, int, bool, torch.Tensor]:
+    """Refits into a generation process over IPC or the collective."""
+    from policyworker.generation import process
+    from policyworker.parallel.local import free_port
+    from policyworker.parallel.policy import rank_flags
+
+    info, size = trainer.prepare_refit_info(), opts.buffer_size_bytes
+    with process.GenerationProcess(
+        opts.model, info, device=str(trainer.device), load_weights=False
+    ) as gen:
+        if opts.transport == "collective":
+            port = free_port()
+            gen.init_collective("127.0.0.1", port, 2, 1)
+            trainer.init_collective("127.0.0.1", port, 2)
+        for _ in range(opts.refits):
+            if opts.transport == "collective":
+                gen.begin_refit_collective(opts.timeout_s)
+                report = trainer.broadcast_weights_for_collective(buffer_size_bytes=size or None)
+            else:
+                gen.begin_refit_ipc(trainer.get_zmq_address()[0], opts.timeout_s)
+                send = rank_flags(trainer.world_size, [0])
+                report = trainer.stream_weights_via_ipc_zmq(buffer_size_bytes=size, send=send)[0]
+            version = gen.end_refit()
+        sums = gen.weight_sums()
+        want = _exported(trainer, tmp / "trainer")
+        equal = sums.keys() == want.keys() and all(
+            sums[n] == process.tensor_sums(t) for n, t in want.items()
+        )
+        return report, version, equal, gen.logprobs(ids, lengths)
+
+
+def _reshard(
+    trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
+) -> tuple[RefitReport, int, bool, torch.Tensor]:
+    """Refits into destination workers of another TP layout."""
+    from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.parallel.local import free_port
+    from policyworker.parallel.policy import Policy
+
+    tp = opts.receiver_tp
+    with Policy(_config(opts, tp), tp, is_refit_destination=True) as dest:
+        port, s = free_port(), trainer.world_size
+        both(
+            lambda: trainer.init_reshard("127.0.0.1", port, s, tp, opts.timeout_s),
+            lambda: dest.init_reshard("127.0.0.1", port, s, tp, opts.timeout_s),
+        )
+        for _ in range(opts.refits):
+            report, version = both(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)
+        want, have = _exported(trainer, tmp / "trainer"), _exported(dest, tmp / "destination")
+        equal = want.keys() == have.keys() and all(torch.equal(want[n], have[n]) for n in want)
+        theirs = dest.get_logprobs(data=BatchedDataDict(input_ids=ids, input_lengths=lengths))
+        return report, version, equal, theirs["logprobs"]
+
+
+def both(first: Any, second: Any) -> tuple[Any, Any]:
+    """`first()` in a thread and `second()` here, at once (the two sides of one collective);
+    their results, or the first exception either raised."""
+    out: dict[int, Any] = {}
+
+    def run(i: int, fn: Any) -> None:
+        try:
+            out[i] = fn()
+        except BaseException as e:
+            out[i] = e
+
+    thread = threading.Thread(target=run, args=(0, first))
+    thread.start()
+    run(1, second)
+    thread.join()
+    for value in out.values():
+        if isinstance(value, BaseException):
+            raise value
+    return out[0], out[1]
 
 
 def _fixed_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable
 
 import torch
@@ -16,6 +17,7 @@ from policyworker.refit.collective import broadcast_refit, join_refit_group
 from policyworker.refit.export import model_tensors, owners, refit_info
 from policyworker.refit.ipc import RefitReport, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo
+from policyworker.refit.reshard import Member, ReshardGroup, report
 
 MiB = 1 << 20
 
@@ -54,6 +56,8 @@ class RefitSource:
         self._info: RefitInfo | None = None
         self._group: dist.ProcessGroup | None = None  # the collective refit group (sender only)
         self._owners: list[int] = []
+        self._reshard: ReshardGroup | None = None
+        self._staging: dict[str, torch.Tensor] | None = None  # a destination's, made once
         sock = f"policyworker-refit-{os.getpid()}-{dist.get_rank()}.sock"
         self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
@@ -135,6 +139,68 @@ class RefitSource:
         )
         self.version = report.version
         return report
+
+    def join_reshard(
+        self,
+        host: str,
+        port: int,
+        sources: int,
+        destinations: int,
+        *,
+        destination: bool,
+        timeout_s: float | None,
+    ) -> None:
+        """Join the reshard group as a trainer rank (0..sources-1) or a destination rank."""
+        g = self.groups
+        mine, world = (destinations, "destinations") if destination else (sources, "sources")
+        if mine != dist.get_world_size():
+            raise ValueError(
+                f"{world}: expected this group's world size {dist.get_world_size()}, got {mine}"
+            )
+        if g.pp_size > 1:
+            raise ValueError(
+                "nccl_reshard_refit: expected pipeline_model_parallel_size 1 on both sides"
+            )
+        me = Member(
+            rank=dist.get_rank() + (sources if destination else 0),
+            destination=destination,
+            tp_rank=g.tp_rank,
+            tp_size=dist.get_world_size(g.tp),
+            sends=not destination and g.dp_rank == 0 and g.cp_rank == 0,
+        )
+        self._reshard = ReshardGroup(
+            host,
+            port,
+            sources=sources,
+            destinations=destinations,
+            me=me,
+            device=self.device,
+            timeout_s=timeout_s or self.cfg.timeout_s,
+        )
+
+    def reshard(self, *, destination: bool, timeout_s: float | None) -> RefitReport | int | None:
+        """One reshard refit, sending (trainer) or receiving (destination, applied only when
+        complete); the trainer's rank 0 returns the report, a destination the version."""
+        if self._reshard is None:
+            raise ValueError("nccl_reshard_refit: init_reshard() first")
+        info, params = self.info(), self._params()
+        if destination and self._staging is None:
+            self._staging = {n: p.detach().clone() for n, p in params.items()}
+        start = time.perf_counter()
+        self.version = self._reshard.refit(
+            params,
+            self.shape,
+            info,
+            version=self.version + 1,
+            use_checksum=self.cfg.checksum,
+            staging=self._staging if destination else None,
+            timeout_s=timeout_s,
+        )
+        if destination:
+            return self.version
+        if dist.get_rank() != 0:
+            return None
+        return report(info, self.version, time.perf_counter() - start, self.cfg.checksum)
 
     def _default_buffer_bytes(self) -> int:
         if self.device.type != "cuda":

@@ -1,0 +1,97 @@
+"""What runs inside each worker process of a driver's group (a spawned process or a Ray actor).
+
+The host sets the rank's torchrun-style environment, builds one `MegatronPolicyWorker` and runs
+the calls the driver sends. Every answer is `("ok", value)` or `("error", traceback)`: a worker's
+exception travels back as text, so the driver can name the rank and the call, and the process
+stays up for the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+Answer = tuple[str, Any]
+
+
+class WorkerHost:
+    """One rank: its environment, its worker, and the calls run on it."""
+
+    def __init__(self, env: dict[str, str], log_levels: dict[str, int] | None = None) -> None:
+        os.environ.update(env)
+        threads = int(env.get("OMP_NUM_THREADS", "0"))
+        if threads:
+            torch.set_num_threads(threads)
+        _configure_logging(int(env.get("RANK", "0")), log_levels or {})
+        self.worker: Any = None
+
+    def start(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Answer:
+        """Build the worker (collective: every rank of the group starts it at once); answers
+        this process's pid."""
+        from policyworker.worker import MegatronPolicyWorker
+
+        os.environ.update(env or {})
+        try:
+            self.worker = MegatronPolicyWorker(**kwargs)
+        except BaseException:
+            return "error", traceback.format_exc()
+        return "ok", os.getpid()
+
+    def execute(self, call: str, kwargs: dict[str, Any]) -> Answer:
+        """Run the worker's method `call` (a name from the driver's table of calls)."""
+        if self.worker is None:
+            return "error", "the worker was not started"
+        try:
+            value = getattr(self.worker, call)(**kwargs)
+        except BaseException:
+            return "error", traceback.format_exc()
+        return "ok", to_host(value)
+
+    def close(self) -> None:
+        """Leave the process groups (NCCL warns at exit otherwise)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def to_host(value: Any) -> Any:
+    """`value` with every tensor on the CPU: answers cross process (and node) boundaries."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return type(value)({k: to_host(v) for k, v in value.items()})
+    if isinstance(value, list | tuple):
+        return type(value)(to_host(v) for v in value)
+    return value
+
+
+def serve(conn: Connection, env: dict[str, str], log_levels: dict[str, int]) -> None:
+    """A local worker process: answer `(kind, payload)` messages until "close" or EOF."""
+    host = WorkerHost(env, log_levels)
+    while True:
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the driver went away
+            return
+        if kind == "close":
+            host.close()
+            return
+        answer = host.start(payload) if kind == "start" else host.execute(*payload)
+        conn.send_bytes(pickle.dumps(answer, protocol=5))
+
+
+def _configure_logging(rank: int, levels: dict[str, int]) -> None:
+    logging.basicConfig(
+        level=levels.get("", logging.WARNING),
+        format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
+    )
+    for name, level in levels.items():
+        logging.getLogger(name or None).setLevel(level)
+    logging.getLogger("megatron").setLevel(max(logging.WARNING, levels.get("", 0)))

@@ -1,0 +1,152 @@
+"""The local backend: one spawned process per rank on this machine, commands over pipes.
+
+Messages are plain pickles (tensors by value): for the batches a call carries this is faster
+than multiprocessing's default of one shared-memory file per tensor, and leaves no such files.
+
+A rank's death shows as its process sentinel becoming ready, so a killed worker fails the call
+at once instead of leaving the driver waiting on its pipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import socket
+from collections.abc import Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from policyworker.parallel.group import Answers, WorkerError
+from policyworker.parallel.host import serve
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` added to this process's environment while a child is spawned (it inherits it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalGroup:
+    """`world_size` worker processes of this machine (one GPU each where there are GPUs)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        envs: list[dict[str, str]],
+        log_levels: dict[str, int],
+        failure_timeout_s: float,
+        call_timeout_s: float | None,
+    ) -> None:
+        self.world_size = world_size
+        self.failure_timeout_s = failure_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.broken: WorkerError | None = None
+        ctx = mp.get_context("spawn")  # CUDA cannot be forked
+        self._conns: list[Connection] = []
+        self._procs: list[mp.process.BaseProcess] = []
+        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        for env in envs:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=serve, args=(child, {**env, **master}, log_levels))
+            proc.daemon = True  # never outlives the driver
+            with _environ({**env, **master}):  # from the interpreter's start, as torchrun does
+                proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.pids = [p.pid or 0 for p in self._procs]
+
+    def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
+        self._exchange("start", [("start", kwargs)] * self.world_size, timeout_s)
+
+    def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
+        if self.broken is not None:
+            raise self.broken
+        messages = [("call", (call, kw)) for kw in kwargs]
+        return self._exchange(call, messages, self.call_timeout_s)
+
+    def _exchange(self, call: str, messages: list[Any], timeout_s: float | None) -> list[Any]:
+        answers = Answers(call, self.world_size, self.failure_timeout_s, timeout_s)
+        for rank, message in enumerate(messages):
+            try:
+                self._conns[rank].send_bytes(pickle.dumps(message, protocol=5))
+            except (BrokenPipeError, OSError) as e:
+                answers.died(rank, f"its process is gone ({e!r})")
+        while not answers.done():
+            wait_s = answers.wait_s()
+            if wait_s is not None and wait_s <= 0:
+                break
+            watched = {}
+            for rank in answers.pending:
+                watched[self._conns[rank]] = rank
+                watched[self._procs[rank].sentinel] = rank
+            for ready in wait(list(watched), wait_s):
+                self._take(watched[ready], answers)
+        try:
+            return answers.result()
+        except WorkerError as e:
+            if e.broken:
+                self.broken = e
+            raise
+
+    def _take(self, rank: int, answers: Answers) -> None:
+        if rank not in answers.pending:
+            return  # both its pipe and its sentinel were ready
+        conn = self._conns[rank]
+        try:
+            if conn.poll():
+                answers.add(rank, pickle.loads(conn.recv_bytes()))
+                return
+        except (EOFError, OSError):
+            pass
+        proc = self._procs[rank]
+        proc.join(5)
+        answers.died(rank, f"its process (pid {proc.pid}) died, exit code {proc.exitcode}")
+
+    def shutdown(self) -> None:
+        """Ask every process to stop; kill what is still alive after a few seconds."""
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if proc.is_alive() and self.broken is None:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    conn.send_bytes(pickle.dumps(("close", None)))
+        for proc in self._procs:
+            proc.join(10 if self.broken is None else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+
+
+def local_envs(world_size: int, extra: dict[str, str]) -> list[dict[str, str]]:
+    """torchrun's variables per rank (MASTER_* are added at launch); LOCAL_RANK picks the GPU."""
+    threads = str(max(1, (os.cpu_count() or 1) // world_size))
+    return [
+        {
+            "RANK": str(r),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": threads,
+            **extra,
+        }
+        for r in range(world_size)
+    ]

@@ -1,0 +1,317 @@
+"""Policy: the driver. One object owns a group of workers and runs each call on all of them.
+
+    with Policy(PolicyConfig(model_name="/ckpt"), num_workers=2, backend="local") as policy:
+        lp = policy.get_logprobs(data=batch)["logprobs"]     # the whole batch, in its order
+        metrics = policy.train(batch, ClippedPGLoss())
+
+Each worker method is declared once below with how its arguments travel (`Call`): the batch of
+a sharded call is split over data parallel and its outputs merged; everything else is given to
+every rank. A failed call raises `WorkerError` (rank, call, remote traceback).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from policyworker.config import PolicyConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import validate_batch
+from policyworker.losses.common import Loss
+from policyworker.model.hf_config import load_hf_config, model_shape
+from policyworker.parallel.dims import check_layout
+from policyworker.parallel.dispatch import Call, Output, Split, merge, split_rows
+from policyworker.parallel.group import WorkerGroup
+from policyworker.parallel.local import LocalGroup, local_envs
+from policyworker.parallel.sharding import NamedSharding
+from policyworker.worker import MegatronPolicyWorker
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("local", "ray")
+
+
+class _Dispatched:
+    """A worker method run on the whole group, as its `Call` declares."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        method = getattr(MegatronPolicyWorker, name)
+        self.__doc__ = method.__doc__
+        sig = inspect.signature(method)
+        self.signature = sig.replace(parameters=list(sig.parameters.values())[1:])  # no self
+
+    def __get__(self, policy: Policy | None, owner: type) -> Any:
+        if policy is None:
+            return self
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return policy._dispatch(self, self.signature.bind(*args, **kwargs).arguments)
+
+        run.__name__, run.__doc__ = self.name, self.__doc__
+        run.__signature__ = self.signature  # type: ignore[attr-defined]
+        return run
+
+
+def dispatched(
+    output: Output = Output.FIRST,
+    *,
+    sharded: str | None = None,
+    split: Split = Split.BALANCED,
+    per_rank: tuple[str, ...] = (),
+) -> Any:
+    return _Dispatched(Call(output, sharded=sharded, split=split, per_rank=per_rank))
+
+
+class Policy:
+    """A group of `MegatronPolicyWorker`s, one per rank, driven as one worker.
+
+    Args:
+        config: every worker's config; its `parallel` sizes lay the ranks out (data parallel
+            takes the rest of `num_workers`).
+        num_workers: ranks (processes); one GPU each where there are GPUs.
+        backend: "local" (processes spawned here, pipes) or "ray" (one actor per rank).
+        failure_timeout_s: after a rank fails, how long the others may take to answer before the
+            call raises; a dead rank fails the call at once.
+        call_timeout_s: longest a call may run (None: no limit).
+        ray_address: the Ray cluster to join (default: `RAY_ADDRESS`, else a local one).
+        env: extra environment variables for every worker.
+    The other arguments are `MegatronPolicyWorker`'s.
+    """
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        num_workers: int = 1,
+        *,
+        backend: str = "local",
+        tokenizer: Any = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        is_refit_destination: bool = False,
+        failure_timeout_s: float = 60.0,
+        call_timeout_s: float | None = None,
+        start_timeout_s: float = 900.0,
+        ray_address: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        for name, value in (
+            ("failure_timeout_s", failure_timeout_s),
+            ("call_timeout_s", call_timeout_s),
+        ):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}: expected > 0, got {value!r}")
+        p = config.parallel
+        self.mesh = NamedSharding.from_world(
+            num_workers,
+            tensor_parallel=p.tensor_model_parallel_size,
+            pipeline_parallel=p.pipeline_model_parallel_size,
+            context_parallel=p.context_parallel_size,
+        )
+        self.cfg = config
+        self.shape = model_shape(
+            load_hf_config(config.model_name, require_weights=weights_path is None)
+        )
+        check_layout(p, self.shape)
+        gpus = torch.cuda.device_count()
+        if backend == "local" and gpus and gpus < num_workers:
+            raise ValueError(
+                f"num_workers: expected at most the {gpus} GPUs here, got {num_workers}"
+            )
+        self.device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+        self.backend = backend
+        worker_env = {**_worker_env(), **(env or {})}
+        envs = local_envs(num_workers, worker_env)
+        self._group = self._build_group(
+            backend, envs, failure_timeout_s, call_timeout_s, ray_address
+        )
+        kwargs = dict(
+            config=config,
+            tokenizer=tokenizer,
+            weights_path=weights_path,
+            optimizer_path=optimizer_path,
+            init_optimizer=init_optimizer,
+            init_reference_model=init_reference_model,
+            is_refit_destination=is_refit_destination,
+        )
+        try:
+            self._group.start(kwargs, start_timeout_s)
+        except BaseException:
+            self._group.shutdown()
+            raise
+        self._closed = False
+        log.info("policy: %d %s workers up, mesh %s", num_workers, backend, self.mesh)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def pids(self) -> list[int]:
+        """Each rank's process id."""
+        return list(self._group.pids)
+
+    # --- the worker's calls ----------------------------------------------------------------------
+
+    get_logprobs = dispatched(Output.BATCH, sharded="data")
+    get_reference_policy_logprobs = dispatched(Output.BATCH, sharded="data")
+    get_topk_logits = dispatched(Output.BATCH, sharded="data")
+    train = dispatched(sharded="data", split=Split.GLOBAL_BATCHES)
+    begin_train_step = dispatched()
+    train_microbatch = dispatched(sharded="data", split=Split.CONTIGUOUS)
+    finish_train_step = dispatched()
+    abort_train_step = dispatched()
+    set_learning_rate = dispatched()
+    save_hf_pretrained = dispatched()
+
+    prepare_for_lp_inference = dispatched()
+    prepare_for_training = dispatched()
+    finish_inference = dispatched()
+    offload_before_refit = dispatched()
+    offload_after_refit = dispatched()
+    pause_train_step_with_offloading = dispatched()
+    memory_stats = dispatched(Output.ALL)
+
+    prepare_refit_info = dispatched()
+    get_zmq_address = dispatched(Output.ALL)
+    stream_weights_via_ipc_zmq = dispatched(Output.ALL, per_rank=("send",))
+    init_collective = dispatched()
+    broadcast_weights_for_collective = dispatched()
+    init_reshard = dispatched()
+    nccl_reshard_refit = dispatched()
+
+    save_checkpoint = dispatched()
+    finalize_async_save = dispatched()
+    load_checkpoint = dispatched()
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every worker process (idempotent); nothing of the group is left running."""
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._group.shutdown()
+
+    def __enter__(self) -> Policy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # --- dispatch --------------------------------------------------------------------------------
+
+    def _dispatch(self, method: _Dispatched, args: dict[str, Any]) -> Any:
+        if self._closed:
+            raise RuntimeError(f"{method.name}: this Policy is shut down")
+        call, world = method.call, self.world_size
+        per_rank = [dict(args) for _ in range(world)]
+        for name in call.per_rank:
+            values = args.get(name)
+            if isinstance(values, list | tuple):
+                if len(values) != world:
+                    raise ValueError(
+                        f"{name}: expected one value per rank ({world}), got {len(values)}"
+                    )
+                for r in range(world):
+                    per_rank[r][name] = values[r]
+        rows: list[list[int]] = []
+        if call.sharded is not None:
+            rows = self._shard(method.name, call, args)
+            data: BatchedDataDict = args[call.sharded]
+            shards = [data.select_indices(r) for r in rows]
+            for r in range(world):
+                per_rank[r][call.sharded] = shards[self.mesh.coords(r)["data_parallel"]]
+        answers = self._group.run(method.name, per_rank)
+        if call.output is Output.ALL:
+            return answers
+        if call.output is Output.FIRST:
+            return answers[0]
+        leaders = [answers[self.mesh.leader(d)] for d in range(len(rows))]
+        return merge(leaders, rows)
+
+    def _shard(self, name: str, call: Call, args: dict[str, Any]) -> list[list[int]]:
+        """Rows of each data-parallel shard, after checking the batch here (a bad batch raises
+        `ValueError` before any worker sees it)."""
+        data = args[call.sharded]  # type: ignore[index]
+        loss = args.get("loss_fn")
+        required = loss.required_keys if isinstance(loss, Loss) else ()
+        b, _ = validate_batch(
+            data,
+            required=required,
+            max_seq_len=self.cfg.max_total_sequence_length,
+            vocab_size=self.shape.vocab_size,
+        )
+        dp = self.mesh.data_parallel
+        if b < dp or (call.split is not Split.BALANCED and b % dp):
+            raise ValueError(f"{call.sharded}: {b} rows do not split over data_parallel={dp}")
+        block, unit = b, 1
+        if call.split is Split.GLOBAL_BATCHES:
+            block = args.get("gbs") or self.cfg.train_global_batch_size
+            unit = loss.rows_per_example if isinstance(loss, Loss) else 1
+            if b % block or block % (dp * unit):
+                raise ValueError(
+                    f"gbs: expected a divisor of the batch ({b} rows) and a multiple of "
+                    f"data_parallel x rows per example = {dp} x {unit}, got {block}"
+                )
+        lengths = data["input_lengths"].tolist()
+        return split_rows(lengths, dp, call.split, block=block, unit=unit)
+
+    def _build_group(
+        self,
+        backend: str,
+        envs: list[dict[str, str]],
+        failure_timeout_s: float,
+        call_timeout_s: float | None,
+        ray_address: str | None,
+    ) -> WorkerGroup:
+        common = dict(
+            envs=envs,
+            log_levels=_log_levels(),
+            failure_timeout_s=failure_timeout_s,
+            call_timeout_s=call_timeout_s,
+        )
+        if backend == "local":
+            return LocalGroup(len(envs), **common)  # type: ignore[arg-type]
+        from policyworker.parallel.ray_group import RayGroup
+
+        return RayGroup(
+            len(envs),
+            address=ray_address,
+            configure=MegatronPolicyWorker.configure_worker,
+            **common,  # type: ignore[arg-type]
+        )
+
+
+def _worker_env() -> dict[str, str]:
+    """Variables every worker gets: NVLink multicast off in NCCL, PyTorch and NVSHMEM (it can
+    take shared GPUs out of service; the GPU machines we test on require it off)."""
+    return {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "1",
+    }
+
+
+def _log_levels() -> dict[str, int]:
+    """The driver's logging levels ("" is the root's) for the workers to use."""
+    levels = {"": logging.getLogger().getEffectiveLevel()}
+    for name, logger in logging.root.manager.loggerDict.items():
+        if isinstance(logger, logging.Logger) and logger.level and name.startswith("policyworker"):
+            levels[name] = logger.level
+    return levels
+
+
+def rank_flags(world_size: int, ranks: Sequence[int]) -> list[bool]:
+    """A per-rank argument that is True on `ranks` only (e.g. `send` of an IPC refit)."""
+    return [r in ranks for r in range(world_size)]

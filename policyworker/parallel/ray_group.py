@@ -1,0 +1,162 @@
+"""The Ray backend: one Ray actor per rank, placed by a placement group that packs a node's ranks.
+
+The driver joins the Ray cluster at `address` (or `RAY_ADDRESS`), or starts a local one when
+none is given, and stops it again at shutdown if it started it. Each actor's resources and extra
+environment come from `MegatronPolicyWorker.configure_worker(num_gpus, bundle_indices)`. A dead
+actor surfaces as Ray's `RayActorError` on its pending call, which fails the call at once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+from policyworker.parallel.group import Answers, WorkerError
+from policyworker.parallel.host import WorkerHost
+
+_PLACEMENT_TIMEOUT_S = 120.0
+
+
+class RayHost(WorkerHost):
+    """The worker host as a Ray actor: it also tells where rank 0 listens."""
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+
+class RayGroup:
+    """`world_size` Ray actors, each hosting one worker."""
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        envs: list[dict[str, str]],
+        log_levels: dict[str, int],
+        failure_timeout_s: float,
+        call_timeout_s: float | None,
+        address: str | None,
+        configure: Any,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = world_size
+        self.failure_timeout_s = failure_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.broken: WorkerError | None = None
+        self._actors: list[Any] = []
+        self._pg: Any = None
+        self._started_ray = not ray.is_initialized()
+        if self._started_ray:
+            address = address or os.environ.get("RAY_ADDRESS")
+            local = {"num_cpus": max(os.cpu_count() or 1, world_size)} if not address else {}
+            ray.init(address=address, include_dashboard=False, **local)
+        try:
+            resources = ray.cluster_resources()
+            gpus_per_worker = 1 if resources.get("GPU", 0) else 0  # one GPU per rank if any
+            _check_resources(resources, world_size, gpus_per_worker)
+            bundle = {"CPU": 1, **({"GPU": gpus_per_worker} if gpus_per_worker else {})}
+            self._pg = placement_group([bundle] * world_size, strategy="PACK")
+            ready, _ = ray.wait([self._pg.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise ValueError(f"the Ray cluster cannot place {world_size} x {bundle}")
+        except BaseException:
+            self.shutdown()
+            raise
+        # Imports of the driver's modules (e.g. a loss class) must work in the actors too.
+        path = os.pathsep.join(p for p in sys.path if p)
+        self._init_kwargs: list[dict[str, Any]] = []
+        for rank, env in enumerate(envs):
+            resources, extra_env, init_kwargs = configure(gpus_per_worker, [rank])
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=rank
+            )
+            env = {**env, **_one_gpu(gpus_per_worker), **extra_env}
+            actor = (
+                ray.remote(RayHost)
+                .options(
+                    scheduling_strategy=strategy,
+                    # present from the interpreter's start (OpenMP reads its threads then)
+                    runtime_env={"env_vars": {**env, "PYTHONPATH": path}},
+                    **resources,
+                )
+                .remote(env, log_levels)
+            )
+            self._actors.append(actor)
+            self._init_kwargs.append(init_kwargs)
+        host, port = ray.get(self._actors[0].address.remote())
+        self._master = {"MASTER_ADDR": host, "MASTER_PORT": str(port)}
+        self.pids: list[int] = []
+
+    def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
+        refs = [
+            actor.start.remote({**kwargs, **init}, self._master)
+            for actor, init in zip(self._actors, self._init_kwargs, strict=True)
+        ]
+        self.pids = self._collect("start", refs, timeout_s)
+
+    def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
+        if self.broken is not None:
+            raise self.broken
+        refs = [
+            actor.execute.remote(call, kw) for actor, kw in zip(self._actors, kwargs, strict=True)
+        ]
+        return self._collect(call, refs, self.call_timeout_s)
+
+    def _collect(self, call: str, refs: list[Any], timeout_s: float | None) -> list[Any]:
+        import ray
+        from ray.exceptions import RayError
+
+        answers = Answers(call, self.world_size, self.failure_timeout_s, timeout_s)
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        while not answers.done():
+            wait_s = answers.wait_s()
+            if wait_s is not None and wait_s <= 0:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    answers.add(rank, ray.get(ref))
+                except RayError as e:  # the actor died (or Ray lost it)
+                    answers.died(rank, f"{type(e).__name__}: {e}")
+        try:
+            return answers.result()
+        except WorkerError as e:
+            if e.broken:
+                self.broken = e
+            raise
+
+    def shutdown(self) -> None:
+        """Kill the actors, free the placement group; stop Ray if this driver started it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _one_gpu(gpus: int) -> dict[str, str]:
+    """Ray shows an actor only its own GPU, which is then device 0."""
+    return {"LOCAL_RANK": "0"} if gpus else {}
+
+
+def _check_resources(resources: dict[str, float], world_size: int, gpus: int) -> None:
+    if gpus and resources.get("GPU", 0) < world_size * gpus:
+        raise ValueError(
+            f"num_workers: {world_size} workers x {gpus} GPU need {world_size * gpus} GPUs; "
+            f"the Ray cluster has {resources.get('GPU', 0):g}"
+        )

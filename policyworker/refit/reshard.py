@@ -1,0 +1,267 @@
+"""Reshard refit: trainer ranks straight into destination workers of another TP layout.
+
+    trainer (TP=S, sources)  ──pieces of each TP-sharded weight──▶  destinations (TP=D)
+                             ──one broadcast of every replicated weight (norms)──▶
+
+Members: the trainer's ranks (refit ranks 0..S-1, their own global ranks) and the destination
+workers' (S..S+D-1), one process group set up over a TCP store, where each member also posts
+its place (role, TP rank and size, data/context-parallel rank). Both sides cut every TP-sharded
+megatron weight into the same pieces: the overlap of a source shard with a destination shard,
+along the split dim (gate and up halves separately; vocabulary rows up to the true vocabulary).
+The owner of a piece in data-parallel replica 0 sends exactly that slice to every destination
+rank of the matching TP rank: no rank ever holds a whole large weight it does not own.
+
+One refit: header [version, checksum on, info fingerprint] from refit rank 0; a MIN vote that
+the refit info matches; the replicated weights as one broadcast; the pieces, point to point,
+each followed by its checksum when on; a final MIN vote. Destinations stage into a copy of their
+weights and apply it only when every member voted yes. Every wait has the group's timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from policyworker.model.hf_config import ModelShape
+from policyworker.model.weights import GateUp, Mapping, VocabRows, mappings
+from policyworker.refit.collective import _agree, _broadcast, _wait, fingerprint
+from policyworker.refit.ipc import RefitReport
+from policyworker.refit.layout import RefitError, RefitInfo, checksum
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    rank: int
+    destination: bool
+    tp_rank: int
+    tp_size: int
+    sends: bool
+    """A source of data-parallel replica 0 (context-parallel rank 0): it sends its pieces."""
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One slice along a weight's TP dim: source TP rank's local [src, src+n) goes to the
+    destination TP rank's local [dst, dst+n)."""
+
+    src_tp: int
+    dst_tp: int
+    src: int
+    dst: int
+    n: int
+
+
+def pieces(
+    m: Mapping, shape: ModelShape, src_tp: int, dst_tp: int, local: int, tp: int
+) -> list[Piece]:
+    """The pieces of mapping `m` between TP sizes `src_tp` and `dst_tp`. `local` is this side's
+    shard length along the TP dim and `tp` this side's TP size (to recover the full length)."""
+    halves = 2 if isinstance(m, GateUp) else 1
+    if isinstance(m, VocabRows):
+        true = shape.vocab_size
+        per = {s: shape.padded_vocab_size(s) // s for s in (src_tp, dst_tp)}
+    else:
+        true = local * tp // halves
+        per = {s: true // s for s in (src_tp, dst_tp)}
+    out = []
+    for h in range(halves):
+        for i in range(src_tp):
+            for j in range(dst_tp):
+                start = max(i * per[src_tp], j * per[dst_tp])
+                end = min((i + 1) * per[src_tp], (j + 1) * per[dst_tp], true)
+                if start < end:
+                    src = h * per[src_tp] + start - i * per[src_tp]
+                    dst = h * per[dst_tp] + start - j * per[dst_tp]
+                    out.append(Piece(i, j, src, dst, end - start))
+    return out
+
+
+class ReshardGroup:
+    """This process's membership of the reshard group, and one refit in either role."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        sources: int,
+        destinations: int,
+        me: Member,
+        device: torch.device,
+        timeout_s: float,
+    ) -> None:
+        world = sources + destinations
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        store = dist.TCPStore(host, port, world, is_master=me.rank == 0, timeout=self.timeout)
+        store.set(
+            f"member/{me.rank}", json.dumps([me.destination, me.tp_rank, me.tp_size, me.sends])
+        )
+        self.members = []
+        for r in range(world):
+            destination, tp_rank, tp_size, sends = json.loads(store.get(f"member/{r}"))
+            self.members.append(Member(r, destination, tp_rank, tp_size, sends))
+        self.me = me
+        self.src_tp = {m.tp_size for m in self.members if not m.destination}.pop()
+        self.dst_tp = {m.tp_size for m in self.members if m.destination}.pop()
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self.pg: dist.ProcessGroup = dist.ProcessGroupNCCL(store, me.rank, world, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, me.rank, world, self.timeout)
+        self._store = store  # the group keeps using it
+
+    def _peers(self, piece: Piece) -> tuple[int, list[int]]:
+        """The sending rank of `piece` and the destination ranks that receive it."""
+        src = next(
+            m.rank
+            for m in self.members
+            if m.sends and m.tp_rank == piece.src_tp and not m.destination
+        )
+        dsts = [m.rank for m in self.members if m.destination and m.tp_rank == piece.dst_tp]
+        return src, dsts
+
+    def _plan(
+        self, params: dict[str, torch.Tensor], shape: ModelShape
+    ) -> Iterator[tuple[str, Mapping, list[Piece]]]:
+        tp = self.me.tp_size
+        for m in mappings(shape, tp):
+            if m.mcore in params and m.tp_dim is not None:
+                local = params[m.mcore].shape[m.tp_dim]
+                yield m.mcore, m, pieces(m, shape, self.src_tp, self.dst_tp, local, tp)
+
+    def refit(
+        self,
+        params: dict[str, torch.Tensor],
+        shape: ModelShape,
+        info: RefitInfo,
+        *,
+        version: int,
+        use_checksum: bool,
+        staging: dict[str, torch.Tensor] | None,
+        timeout_s: float | None = None,
+    ) -> int:
+        """One refit; returns the version. Sources pass `staging=None`; destinations a staging
+        copy of their weights, applied to `params` only when every member agreed."""
+        if timeout_s is not None:
+            self.timeout = datetime.timedelta(seconds=timeout_s)
+        head = torch.tensor([version, int(use_checksum), fingerprint(info)], device=self.device)
+        _wait(_broadcast(self.pg, head, "the header"), "the header", self.timeout)
+        version, use_checksum, theirs = (int(x) for x in head.tolist())
+        if not _agree(
+            self.pg, theirs == fingerprint(info), self.device, "the refit info check", self.timeout
+        ):
+            raise RefitError("reshard: the trainer's refit info differs from a destination's")
+        ok, error = True, ""
+        target = params if staging is None else staging
+        try:
+            self._replicated(params, target, shape)
+            tag = 0
+            for name, m, plan in self._plan(params, shape):
+                tag = self._move(
+                    params[name], target[name], m.tp_dim, plan, tag, bool(use_checksum)
+                )
+        except RefitError as e:
+            if staging is None:
+                raise
+            ok, error = False, str(e)
+        if not _agree(self.pg, ok, self.device, "the end of the refit", self.timeout):
+            raise RefitError(error or "reshard: a destination rejected the refit (unchanged)")
+        if staging is not None:
+            with torch.no_grad():
+                for name, t in staging.items():
+                    params[name].copy_(t)
+        return version
+
+    def _replicated(
+        self, params: dict[str, torch.Tensor], target: dict[str, torch.Tensor], shape: ModelShape
+    ) -> None:
+        """Every replicated weight in one flat broadcast from refit rank 0."""
+        names = [
+            m.mcore
+            for m in mappings(shape, self.me.tp_size)
+            if m.tp_dim is None and m.mcore in params
+        ]
+        if not names:
+            return
+        flat = torch.cat([params[n].detach().reshape(-1) for n in names])
+        if self.me.destination or self.me.rank != 0:
+            flat = torch.empty_like(flat)
+        _wait(
+            _broadcast(self.pg, flat, "the replicated weights"),
+            "the replicated weights",
+            self.timeout,
+        )
+        if self.me.destination:
+            offset = 0
+            with torch.no_grad():
+                for n in names:
+                    t = target[n]
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _move(
+        self,
+        param: torch.Tensor,
+        target: torch.Tensor,
+        dim: int,
+        plan: list[Piece],
+        tag: int,
+        use_checksum: bool,
+    ) -> int:
+        """Send or receive one weight's pieces; returns the next tag."""
+        works: list[tuple[dist.Work, str]] = []
+        received: list[tuple[Piece, torch.Tensor, torch.Tensor | None]] = []
+        keep = []
+        for piece in plan:
+            src, dsts = self._peers(piece)
+            tag += 1
+            if self.me.rank == src:
+                data = param.detach().narrow(dim, piece.src, piece.n).contiguous()
+                total = torch.tensor([_sum(data)], device=self.device)
+                keep += [data, total]
+                for d in dsts:
+                    works.append((self.pg.send([data], d, tag), f"piece {tag} to rank {d}"))
+                    if use_checksum:
+                        works.append((self.pg.send([total], d, tag + 1_000_000), f"checksum {tag}"))
+            elif self.me.rank in dsts:
+                shape = list(param.shape)
+                shape[dim] = piece.n
+                data = torch.empty(shape, dtype=param.dtype, device=self.device)
+                works.append((self.pg.recv([data], src, tag), f"piece {tag} from rank {src}"))
+                total = None
+                if use_checksum:
+                    total = torch.zeros(1, dtype=torch.int64, device=self.device)
+                    works.append((self.pg.recv([total], src, tag + 1_000_000), f"checksum {tag}"))
+                received.append((piece, data, total))
+        for work, what in works:
+            _wait(work, what, self.timeout)
+        with torch.no_grad():
+            for piece, data, total in received:
+                if total is not None and _sum(data) != int(total.item()):
+                    raise RefitError(
+                        f"reshard: a piece ({piece.n} along dim {dim}) failed its checksum"
+                    )
+                target.narrow(dim, piece.dst, piece.n).copy_(data)
+        return tag
+
+
+def report(info: RefitInfo, version: int, seconds: float, use_checksum: bool) -> RefitReport:
+    """A reshard refit's report, counting the whole model's bytes as the other transports do."""
+    nbytes = sum(
+        torch.Size(s).numel() * torch.empty(0, dtype=d).element_size() for s, d in info.values()
+    )
+    return RefitReport(version, nbytes, seconds, len(info), 0, use_checksum)
+
+
+def _sum(data: torch.Tensor) -> int:
+    """`checksum` of a piece of any byte length: its 8-byte words, then the bytes left over."""
+    raw = data.reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    return checksum(raw[:whole]) + int(raw[whole:].sum())

@@ -1,0 +1,208 @@
+"""The driver (`Policy`): named sharding, the local and Ray backends against one in-process
+worker, failures that surface with the rank named and leave nothing running, bad layouts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from driver_faults import FailingLoss
+from helpers import make_batch, make_hf_model
+
+from policyworker import Policy, WorkerError
+from policyworker.config import ParallelConfig, PolicyConfig
+from policyworker.data.contract import BatchValidationError
+from policyworker.losses import ClippedPGLoss
+from policyworker.parallel.dispatch import Split, balanced_split, split_rows
+from policyworker.parallel.sharding import NamedSharding
+from policyworker.worker import MegatronPolicyWorker
+
+LENGTHS = [12, 11, 12, 10, 3, 4, 2, 5]
+TOPK = 4
+
+
+def config(folder: Path, tp: int = 1) -> PolicyConfig:
+    return PolicyConfig(
+        model_name=str(folder),
+        precision="float32",
+        train_global_batch_size=8,
+        train_micro_batch_size=2,
+        logprob_batch_size=2,
+        max_total_sequence_length=64,
+        parallel=ParallelConfig(tensor_model_parallel_size=tp),
+    )
+
+
+def results(worker: MegatronPolicyWorker | Policy) -> dict[str, object]:
+    """What any group must agree on with one worker: outputs before and after two GRPO steps."""
+    data = make_batch(batch=8, seq=12, lengths=LENGTHS)
+    topk = worker.get_topk_logits(data=data, k=TOPK)
+    return {
+        "logprobs": worker.get_logprobs(data=data)["logprobs"],
+        "reference": worker.get_reference_policy_logprobs(data=data)["reference_logprobs"],
+        "topk_logits": topk["topk_logits"],
+        "topk_indices": topk["topk_indices"],
+        "train": [worker.train(data, ClippedPGLoss()) for _ in range(2)],
+        "logprobs_after": worker.get_logprobs(data=data)["logprobs"],
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("driver"), "llama")
+
+
+@pytest.fixture(scope="module")
+def single(model_dir: Path) -> dict[str, object]:
+    return results(MegatronPolicyWorker(config(model_dir)))
+
+
+def assert_equal_results(got: dict, want: dict) -> None:
+    for key in ("logprobs", "reference", "topk_logits", "logprobs_after"):
+        torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
+    assert torch.equal(got["topk_indices"], want["topk_indices"])
+    for g, w in zip(got["train"], want["train"], strict=True):
+        for key in ("loss", "grad_norm", "actor_loss", "probs_ratio", "global_valid_toks"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
+
+
+def assert_gone(pids: list[int]) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+        if not alive:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"worker processes still running: {alive}")
+
+
+# --- named sharding and the batch plumbing (no processes) -----------------------------------------
+
+
+def test_named_sharding_follows_megatrons_rank_order():
+    mesh = NamedSharding.from_world(8, tensor_parallel=2, pipeline_parallel=2)
+    assert mesh.data_parallel == 2 and mesh.shape == (2, 2, 1, 2)
+    # megatron: rank = ((pp * DP + dp) * CP + cp) * TP + tp
+    for r in range(8):
+        c = mesh.coords(r)
+        assert (
+            r == ((c["pipeline_parallel"] * 2 + c["data_parallel"]) * 1) * 2 + c["tensor_parallel"]
+        )
+        assert mesh.rank(**c) == r
+    assert mesh.ranks_along("tensor_parallel", 5) == [4, 5]
+    assert mesh.ranks_along("pipeline_parallel", 1) == [1, 5]
+    assert mesh.ranks_along("data_parallel", 0) == [0, 2]
+    assert mesh.replica(1) == [2, 3, 6, 7] and mesh.leader(1) == 2
+
+
+@pytest.mark.parametrize(
+    ("world", "sizes", "field"),
+    [
+        (3, {"tensor_parallel": 2}, "num_workers"),
+        (0, {}, "num_workers"),
+        (4, {"context_parallel": 0}, "context_parallel"),
+    ],
+)
+def test_named_sharding_refuses_bad_sizes(world, sizes, field):
+    with pytest.raises(ValueError, match=field):
+        NamedSharding.from_world(world, **sizes)
+
+
+def test_shards_are_equal_in_rows_balanced_in_tokens_and_keep_examples_whole():
+    rows = balanced_split(LENGTHS, 2)
+    assert sorted(i for r in rows for i in r) == list(range(8)) and [len(r) for r in rows] == [4, 4]
+    tokens = [sum(LENGTHS[i] for i in r) for r in rows]
+    assert abs(tokens[0] - tokens[1]) <= 2  # contiguous halves: 45 vs 14
+    pairs = split_rows(LENGTHS, 2, Split.GLOBAL_BATCHES, block=4, unit=2)
+    for shard in pairs:  # each global batch of 4 rows gives each shard one whole pair
+        assert [i // 2 for i in shard[::2]] == [i // 2 for i in shard[1::2]]
+        assert [i // 4 for i in shard] == [0, 0, 1, 1]
+
+
+# --- groups against one worker ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_local_group_equals_one_worker(layout, model_dir, single):
+    with Policy(config(model_dir, tp=2 if layout == "tp2" else 1), num_workers=2) as policy:
+        assert_equal_results(results(policy), single)
+        pids = policy.pids
+    assert_gone(pids)
+
+
+def test_ray_group_equals_one_worker(model_dir, single):
+    with Policy(config(model_dir), num_workers=2, backend="ray") as policy:
+        assert_equal_results(results(policy), single)
+        pids = policy.pids
+    assert_gone(pids)
+
+
+# --- failures ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_failures_name_the_rank_end_in_bounded_time_and_leave_nothing(backend, model_dir):
+    data = make_batch(batch=8, seq=12, lengths=LENGTHS)
+    # 1. Every rank refuses a bad argument: the error names the rank, the group stays usable.
+    # 2. One rank raises inside a step while the other waits for it in a collective: the
+    #    call fails within failure_timeout_s and the group is broken.
+    policy = Policy(config(model_dir), num_workers=2, backend=backend, failure_timeout_s=3)
+    with pytest.raises(WorkerError, match="rank 0 failed get_topk_logits") as e:
+        policy.get_topk_logits(data=data, k=0)
+    assert not e.value.broken and "ValueError: k: expected" in e.value.detail
+    assert policy.get_logprobs(data=data)["logprobs"].shape == (8, 12)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed train") as e:
+        policy.train(data, FailingLoss(rank=1, how="raise"))
+    assert time.monotonic() - start < 30
+    assert e.value.broken and "RuntimeError: injected failure" in e.value.detail
+    with pytest.raises(WorkerError, match="rank 1 failed train"):
+        policy.get_logprobs(data=data)  # a broken group refuses every call
+    pids = policy.pids
+    policy.shutdown()
+    assert_gone(pids)
+    # 3. A rank's process dies mid-call: the call fails at once; a new group starts afterwards.
+    policy = Policy(config(model_dir), num_workers=2, backend=backend, failure_timeout_s=3)
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1 failed train") as e:
+        policy.train(data, FailingLoss(rank=1, how="kill"))
+    assert time.monotonic() - start < 30 and e.value.broken
+    pids = policy.pids
+    policy.shutdown()
+    assert_gone(pids)
+    with Policy(config(model_dir), num_workers=1, backend=backend) as policy:
+        assert policy.get_logprobs(data=data)["logprobs"].shape == (8, 12)
+        pids = policy.pids
+    assert_gone(pids)
+    if backend == "ray":  # the local Ray cluster this driver started is gone too
+        time.sleep(1)
+        left = [p.cmdline() for p in psutil.Process().children(recursive=True) if p.is_running()]
+        assert not [c for c in left if any("ray" in part for part in c)], left
+
+
+def test_bad_layouts_and_batches_are_refused_before_anything_runs(model_dir):
+    before = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match="num_workers"):
+        Policy(config(model_dir, tp=2), num_workers=3)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        Policy(config(model_dir, tp=3), num_workers=3)  # 4 heads do not split over 3
+    with pytest.raises(ValueError, match="backend"):
+        Policy(config(model_dir), backend="mpi")
+    with pytest.raises(ValueError, match="failure_timeout_s"):
+        Policy(config(model_dir), failure_timeout_s=0)
+    assert psutil.Process().children(recursive=True) == before
+    with Policy(config(model_dir), num_workers=2) as policy:
+        data = make_batch(batch=8, seq=12, lengths=LENGTHS)
+        bad = make_batch(batch=8, seq=12, lengths=LENGTHS)
+        bad["input_ids"][0, 0] = 10_000
+        with pytest.raises(BatchValidationError, match="input_ids"):
+            policy.get_logprobs(data=bad)
+        with pytest.raises(ValueError, match="gbs"):
+            policy.train(data, ClippedPGLoss(), gbs=3)
+        with pytest.raises(ValueError, match="data_parallel"):
+            policy.get_logprobs(data=data.slice(0, 1))
+        with pytest.raises(ValueError, match="send"):
+            policy.stream_weights_via_ipc_zmq(send=[True])
