@@ -33,6 +33,8 @@ class WorkerGroup(Protocol):
 
     world_size: int
     pids: list[int]
+    last_worker_s: float
+    """How long the last call ran inside the slowest worker (the rest of its time is transport)."""
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
         """Build every rank's worker with `kwargs` (collective); fills `pids`."""
@@ -57,6 +59,7 @@ class Answers:
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     dead: dict[int, str] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
     first_error_at: float | None = None
 
     @property
@@ -64,10 +67,11 @@ class Answers:
         done = self.values.keys() | self.errors.keys() | self.dead.keys()
         return [r for r in range(self.world_size) if r not in done]
 
-    def add(self, rank: int, answer: tuple[str, Any]) -> None:
-        status, value = answer
+    def add(self, rank: int, answer: tuple[Any, ...]) -> None:
+        status, value, *timing = answer
         if status == "ok":
             self.values[rank] = value
+            self.seconds[rank] = timing[0] if timing else 0.0
         else:
             self.errors[rank] = value
             self.first_error_at = self.first_error_at or time.monotonic()

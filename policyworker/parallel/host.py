@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-Answer = tuple[str, Any]
+Answer = tuple[Any, ...]
+"""("ok", value[, seconds the call ran here]) or ("error", traceback)."""
 
 
 class WorkerHost:
@@ -47,11 +49,12 @@ class WorkerHost:
         """Run the worker's method `call` (a name from the driver's table of calls)."""
         if self.worker is None:
             return "error", "the worker was not started"
+        start = time.perf_counter()
         try:
-            value = getattr(self.worker, call)(**kwargs)
+            value = to_host(getattr(self.worker, call)(**kwargs))
         except BaseException:
             return "error", traceback.format_exc()
-        return "ok", to_host(value)
+        return "ok", value, time.perf_counter() - start
 
     def close(self) -> None:
         """Leave the process groups (NCCL warns at exit otherwise)."""

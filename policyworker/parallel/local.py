@@ -59,6 +59,7 @@ class LocalGroup:
         self.failure_timeout_s = failure_timeout_s
         self.call_timeout_s = call_timeout_s
         self.broken: WorkerError | None = None
+        self.last_worker_s = 0.0
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
@@ -100,6 +101,7 @@ class LocalGroup:
                 watched[self._procs[rank].sentinel] = rank
             for ready in wait(list(watched), wait_s):
                 self._take(watched[ready], answers)
+        self.last_worker_s = max(answers.seconds.values(), default=0.0)
         try:
             return answers.result()
         except WorkerError as e:

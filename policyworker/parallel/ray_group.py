@@ -53,6 +53,7 @@ class RayGroup:
         self.failure_timeout_s = failure_timeout_s
         self.call_timeout_s = call_timeout_s
         self.broken: WorkerError | None = None
+        self.last_worker_s = 0.0
         self._actors: list[Any] = []
         self._pg: Any = None
         self._started_ray = not ray.is_initialized()
@@ -129,6 +130,7 @@ class RayGroup:
                     answers.add(rank, ray.get(ref))
                 except RayError as e:  # the actor died (or Ray lost it)
                     answers.died(rank, f"{type(e).__name__}: {e}")
+        self.last_worker_s = max(answers.seconds.values(), default=0.0)
         try:
             return answers.result()
         except WorkerError as e:

@@ -181,6 +181,9 @@ def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
     a failed checksum; the live weights then stay at the previous version.
     """
     sock = _socket(zmq.REP, timeout_s)
+    # The receiver usually connects before the trainer binds; ZMQ then retries the connection
+    # every RECONNECT_IVL (100 ms by default), which was most of a refit's time. Retry each ms.
+    sock.setsockopt(zmq.RECONNECT_IVL, 1)
     sock.connect(address)
     mapped: dict[str, MappedBuffer] = {}
     try:
