@@ -206,3 +206,31 @@ def test_bad_layouts_and_batches_are_refused_before_anything_runs(model_dir):
             policy.get_logprobs(data=data.slice(0, 1))
         with pytest.raises(ValueError, match="send"):
             policy.stream_weights_via_ipc_zmq(send=[True])
+
+
+def test_ray_group_joins_a_running_cluster_and_leaves_it_running(model_dir, tmp_path):
+    """Given an address, the driver joins that cluster (no local one of its own) and, at
+    shutdown, removes only its actors."""
+    import subprocess
+    import sys
+
+    from policyworker.parallel.dims import free_port
+
+    ray = [str(Path(sys.executable).parent / "ray")]
+    port = free_port()
+    start = [*ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false"]
+    subprocess.run(start, check=True, capture_output=True, timeout=120)
+    try:
+        with Policy(
+            config(model_dir), num_workers=1, backend="ray", ray_address=f"127.0.0.1:{port}"
+        ) as policy:
+            data = make_batch(batch=2, seq=12)
+            assert policy.get_logprobs(data=data)["logprobs"].shape == (2, 12)
+            pids = policy.pids
+        assert_gone(pids)
+        status = subprocess.run(
+            [*ray, "status", f"--address=127.0.0.1:{port}"], capture_output=True, timeout=60
+        )
+        assert status.returncode == 0  # the cluster is still up
+    finally:
+        subprocess.run([*ray, "stop", "--force"], capture_output=True, timeout=120)

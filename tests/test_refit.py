@@ -259,9 +259,9 @@ def test_refit_check_refuses_bad_options_before_starting(tmp_path):
 
 def _collective_pair(worker, folder, info, timeout_s=30.0):
     """A generation process joined with the worker in a refit group of two."""
-    from policyworker.parallel.dims import _free_port
+    from policyworker.parallel.dims import free_port
 
-    port = _free_port()
+    port = free_port()
     gen = GenerationProcess(str(folder), info, timeout_s=timeout_s)
     gen.init_collective("127.0.0.1", port, 2, 1)
     worker.init_collective("127.0.0.1", port, 2)

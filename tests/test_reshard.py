@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from policyworker import Policy, WorkerError
 from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig, RefitConfig
 from policyworker.losses import NLLLoss
-from policyworker.parallel.local import free_port
+from policyworker.parallel.dims import free_port
 
 
 def config(folder: Path, tp: int, checksum: bool = False) -> PolicyConfig:

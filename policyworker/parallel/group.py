@@ -108,3 +108,32 @@ class Answers:
                 hung[0], self.call, f"no answer within {self.call_timeout_s} s", broken=True
             )
         return [self.values[r] for r in range(self.world_size)]
+
+
+class GroupState:
+    """What both backends keep between calls, and how a call's answers settle into it."""
+
+    def __init__(
+        self, world_size: int, failure_timeout_s: float, call_timeout_s: float | None
+    ) -> None:
+        self.world_size = world_size
+        self.failure_timeout_s = failure_timeout_s
+        self.call_timeout_s = call_timeout_s
+        self.broken: WorkerError | None = None
+        """The failure that broke the group: every later call raises it."""
+        self.last_worker_s = 0.0
+        self.pids: list[int] = []
+
+    def _answers(self, call: str, timeout_s: float | None, *, check: bool = True) -> Answers:
+        if check and self.broken is not None:
+            raise self.broken
+        return Answers(call, self.world_size, self.failure_timeout_s, timeout_s)
+
+    def _settle(self, answers: Answers) -> list[Any]:
+        self.last_worker_s = max(answers.seconds.values(), default=0.0)
+        try:
+            return answers.result()
+        except WorkerError as e:
+            if e.broken:
+                self.broken = e
+            raise

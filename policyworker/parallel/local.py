@@ -13,12 +13,12 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
-import socket
 from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from policyworker.parallel.group import Answers, WorkerError
+from policyworker.parallel.dims import free_port
+from policyworker.parallel.group import Answers, GroupState
 from policyworker.parallel.host import serve
 
 
@@ -37,13 +37,7 @@ def _environ(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LocalGroup:
+class LocalGroup(GroupState):
     """`world_size` worker processes of this machine (one GPU each where there are GPUs)."""
 
     def __init__(
@@ -55,11 +49,7 @@ class LocalGroup:
         failure_timeout_s: float,
         call_timeout_s: float | None,
     ) -> None:
-        self.world_size = world_size
-        self.failure_timeout_s = failure_timeout_s
-        self.call_timeout_s = call_timeout_s
-        self.broken: WorkerError | None = None
-        self.last_worker_s = 0.0
+        super().__init__(world_size, failure_timeout_s, call_timeout_s)
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
@@ -76,16 +66,14 @@ class LocalGroup:
         self.pids = [p.pid or 0 for p in self._procs]
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
-        self._exchange("start", [("start", kwargs)] * self.world_size, timeout_s)
+        answers = self._answers("start", timeout_s, check=False)
+        self._exchange(answers, [("start", kwargs)] * self.world_size)
 
     def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
-        if self.broken is not None:
-            raise self.broken
-        messages = [("call", (call, kw)) for kw in kwargs]
-        return self._exchange(call, messages, self.call_timeout_s)
+        answers = self._answers(call, self.call_timeout_s)
+        return self._exchange(answers, [("call", (call, kw)) for kw in kwargs])
 
-    def _exchange(self, call: str, messages: list[Any], timeout_s: float | None) -> list[Any]:
-        answers = Answers(call, self.world_size, self.failure_timeout_s, timeout_s)
+    def _exchange(self, answers: Answers, messages: list[Any]) -> list[Any]:
         for rank, message in enumerate(messages):
             try:
                 self._conns[rank].send_bytes(pickle.dumps(message, protocol=5))
@@ -101,13 +89,7 @@ class LocalGroup:
                 watched[self._procs[rank].sentinel] = rank
             for ready in wait(list(watched), wait_s):
                 self._take(watched[ready], answers)
-        self.last_worker_s = max(answers.seconds.values(), default=0.0)
-        try:
-            return answers.result()
-        except WorkerError as e:
-            if e.broken:
-                self.broken = e
-            raise
+        return self._settle(answers)
 
     def _take(self, rank: int, answers: Answers) -> None:
         if rank not in answers.pending:

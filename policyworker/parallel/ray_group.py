@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import Any
 
-from policyworker.parallel.group import Answers, WorkerError
+from policyworker.parallel.group import Answers, GroupState
 from policyworker.parallel.host import WorkerHost
 
 _PLACEMENT_TIMEOUT_S = 120.0
@@ -31,7 +31,7 @@ class RayHost(WorkerHost):
         return ray.util.get_node_ip_address(), port
 
 
-class RayGroup:
+class RayGroup(GroupState):
     """`world_size` Ray actors, each hosting one worker."""
 
     def __init__(
@@ -49,11 +49,7 @@ class RayGroup:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.world_size = world_size
-        self.failure_timeout_s = failure_timeout_s
-        self.call_timeout_s = call_timeout_s
-        self.broken: WorkerError | None = None
-        self.last_worker_s = 0.0
+        super().__init__(world_size, failure_timeout_s, call_timeout_s)
         self._actors: list[Any] = []
         self._pg: Any = None
         self._started_ray = not ray.is_initialized()
@@ -96,28 +92,25 @@ class RayGroup:
             self._init_kwargs.append(init_kwargs)
         host, port = ray.get(self._actors[0].address.remote())
         self._master = {"MASTER_ADDR": host, "MASTER_PORT": str(port)}
-        self.pids: list[int] = []
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
         refs = [
             actor.start.remote({**kwargs, **init}, self._master)
             for actor, init in zip(self._actors, self._init_kwargs, strict=True)
         ]
-        self.pids = self._collect("start", refs, timeout_s)
+        self.pids = self._collect(self._answers("start", timeout_s, check=False), refs)
 
     def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
-        if self.broken is not None:
-            raise self.broken
+        answers = self._answers(call, self.call_timeout_s)
         refs = [
             actor.execute.remote(call, kw) for actor, kw in zip(self._actors, kwargs, strict=True)
         ]
-        return self._collect(call, refs, self.call_timeout_s)
+        return self._collect(answers, refs)
 
-    def _collect(self, call: str, refs: list[Any], timeout_s: float | None) -> list[Any]:
+    def _collect(self, answers: Answers, refs: list[Any]) -> list[Any]:
         import ray
         from ray.exceptions import RayError
 
-        answers = Answers(call, self.world_size, self.failure_timeout_s, timeout_s)
         pending = {ref: rank for rank, ref in enumerate(refs)}
         while not answers.done():
             wait_s = answers.wait_s()
@@ -130,13 +123,7 @@ class RayGroup:
                     answers.add(rank, ray.get(ref))
                 except RayError as e:  # the actor died (or Ray lost it)
                     answers.died(rank, f"{type(e).__name__}: {e}")
-        self.last_worker_s = max(answers.seconds.values(), default=0.0)
-        try:
-            return answers.result()
-        except WorkerError as e:
-            if e.broken:
-                self.broken = e
-            raise
+        return self._settle(answers)
 
     def shutdown(self) -> None:
         """Kill the actors, free the placement group; stop Ray if this driver started it."""

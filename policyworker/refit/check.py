@@ -106,7 +106,7 @@ def _engine(
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into a generation process over IPC or the collective."""
     from policyworker.generation import process
-    from policyworker.parallel.local import free_port
+    from policyworker.parallel.dims import free_port
     from policyworker.parallel.policy import rank_flags
 
     info, size = trainer.prepare_refit_info(), opts.buffer_size_bytes
@@ -139,7 +139,7 @@ def _reshard(
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into destination workers of another TP layout."""
     from policyworker.data.batched_data_dict import BatchedDataDict
-    from policyworker.parallel.local import free_port
+    from policyworker.parallel.dims import free_port
     from policyworker.parallel.policy import Policy
 
     tp = opts.receiver_tp
