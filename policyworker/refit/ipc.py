@@ -6,8 +6,8 @@ Sender (the trainer, REQ, binds `address`):
                      checksum it on the device; wait for the ack of bucket k-1; send its header
     send "complete"; wait for the receiver's verdict
 
-Packing bucket k overlaps the receiver's copy of bucket k-1, and a buffer is reused only after the
-ack of the bucket it held (bucket k-2). Receiver (REP, connects): maps the buffer, stages and
+Bucket k-1's header goes out as soon as it is packed, so the receiver stages bucket k-1 while the
+sender packs bucket k; a buffer is reused only after the ack of the bucket it held (k-2). Receiver (REP, connects): maps the buffer, stages and
 verifies the bucket (`receiver.Staging`), acks; on "complete" checks that every name arrived once
 and applies the refit. Every wait has a deadline; an error on either side is answered to the
 other (when it is still there) and raised as `RefitError`. The messages are in docs/refit.md.
@@ -79,7 +79,7 @@ def _request(sock: zmq.Socket, message: dict[str, Any], what: str, peer: str) ->
 
 
 class _Pending:
-    """The header of a packed bucket whose send waits for the previous bucket's ack."""
+    """A bucket whose header was sent and whose ack is still to come."""
 
     def __init__(self, header: dict[str, Any], buffer: SharedBuffer, own: bool) -> None:
         self.header, self.buffer, self.own = header, buffer, own
@@ -108,42 +108,64 @@ def send_ipc(
     buffers = [SharedBuffer(size, device) for _ in range(2)] if size else []
     sock = _socket(zmq.REQ, timeout_s)
     sock.bind(address)
-    pending: _Pending | None = None
+    in_flight: _Pending | None = None  # sent, its ack not yet received
     try:
         for bucket in layout.buckets:
             own = bucket.nbytes > size
+            # this buffer's previous bucket (index - 2) was acked before the last send
             buf = SharedBuffer(bucket.nbytes, device) if own else buffers[bucket.index % 2]
             try:
                 header = _pack(bucket, buf, tensors, version, use_checksum, device)
                 if tamper is not None:
                     tamper(buf.tensor)
-                if pending is not None:
-                    _send(sock, pending, address)
             except BaseException:
                 if own:
                     buf.close()
                 raise
-            pending = _Pending(header, buf, own)
-        if pending is not None:
-            last, pending = pending, None
-            _send(sock, last, address)
+            if in_flight is not None:  # the receiver staged it while we packed this one
+                _ack(sock, in_flight, address)
+            in_flight = _Pending(header, buf, own)
+            _post(sock, header, address)
+        if in_flight is not None:
+            last, in_flight = in_flight, None
+            _ack(sock, last, address)
         done = {"type": "complete", "version": version, "names": len(layout.slots)}
         _request(sock, done, "the end of the refit", address)
     finally:
         sock.close()
-        if pending is not None and pending.own:
-            pending.buffer.close()  # packed but never sent (idempotent when it was)
+        if in_flight is not None and in_flight.own:
+            in_flight.buffer.close()  # sent but never acked (idempotent when it was)
         for buf in buffers:
             buf.close()
     return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
 
-def _send(sock: zmq.Socket, pending: _Pending, peer: str) -> None:
+def _post(sock: zmq.Socket, header: dict[str, Any], peer: str) -> None:
+    """Send a bucket's header; its ack is received later (`_ack`), after the next bucket is
+    packed, so that packing and the receiver's staging overlap."""
     try:
-        _request(sock, pending.header, f"bucket {pending.header['index']}", peer)
+        sock.send_pyobj(header)
+    except zmq.Again:
+        raise RefitError(
+            f"refit: the receiver at {peer} did not take bucket {header['index']} in time"
+        ) from None
+
+
+def _ack(sock: zmq.Socket, sent: _Pending, peer: str) -> None:
+    """Wait for the receiver's answer to `sent`; its own buffer (if any) is freed after."""
+    what = f"bucket {sent.header['index']}"
+    try:
+        try:
+            reply = sock.recv_pyobj()
+        except zmq.Again:
+            raise RefitError(
+                f"refit: the receiver at {peer} did not answer {what} in time (timeout)"
+            ) from None
+        if not reply.get("ok"):
+            raise RefitError(f"refit: the receiver at {peer} refused {what}: {reply.get('error')}")
     finally:
-        if pending.own:
-            pending.buffer.close()
+        if sent.own:
+            sent.buffer.close()
 
 
 def _pack(
