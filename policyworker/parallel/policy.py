@@ -105,6 +105,7 @@ class Policy:
         ray_address: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
+        self._closed = True  # until the group is up: shutdown() has nothing to stop
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         for name, value in (
@@ -206,7 +207,7 @@ class Policy:
 
     def shutdown(self) -> None:
         """Stop every worker process (idempotent); nothing of the group is left running."""
-        if not getattr(self, "_closed", True):
+        if not self._closed:
             self._closed = True
             self._group.shutdown()
 

@@ -146,8 +146,9 @@ def _post(sock: zmq.Socket, header: dict[str, Any], peer: str) -> None:
     try:
         sock.send_pyobj(header)
     except zmq.Again:
-        raise RefitError(
-            f"refit: the receiver at {peer} did not take bucket {header['index']} in time"
+        raise RefitError(  # a REQ socket cannot send while its peer is gone
+            f"refit: the receiver at {peer} did not answer bucket {header['index']} in time "
+            "(timeout: it is not connected)"
         ) from None
 
 
