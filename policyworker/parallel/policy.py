@@ -235,7 +235,7 @@ class Policy:
                     per_rank[r][name] = values[r]
         rows: list[list[int]] = []
         if call.sharded is not None:
-            rows = self._shard(method.name, call, args)
+            rows = self._shard(call, args)
             data: BatchedDataDict = args[call.sharded]
             # one replica: the batch as given, no copies (index ops cost ms on a busy host)
             shards = [data] if len(rows) == 1 else [data.select_indices(r) for r in rows]
@@ -249,7 +249,7 @@ class Policy:
         leaders = [answers[self.mesh.leader(d)] for d in range(len(rows))]
         return leaders[0] if len(rows) == 1 else merge(leaders, rows)
 
-    def _shard(self, name: str, call: Call, args: dict[str, Any]) -> list[list[int]]:
+    def _shard(self, call: Call, args: dict[str, Any]) -> list[list[int]]:
         """Rows of each data-parallel shard, after checking the batch here (a bad batch raises
         `ValueError` before any worker sees it)."""
         data = args[call.sharded]  # type: ignore[index]
