@@ -78,7 +78,8 @@ def main() -> None:
         worker.checkpoints.verify_integrity = verify
         w, o = root / name / "weights", root / name / "optim"
         blocking = seconds(lambda: worker.save_checkpoint(w, o, async_save=async_save))
-        row = {"blocking_s": blocking, "stage_s": worker.checkpoints.last_save_timing["stage_s"]}
+        timing = worker.checkpoints.last_save_timing
+        row = {"blocking_s": blocking} | {k: v for k, v in timing.items() if k.endswith("_s")}
         if async_save:
             row["finalize_s"] = seconds(worker.finalize_async_save)
         row["bytes_on_disk"] = on_disk(root / name)

@@ -1,7 +1,8 @@
 """Colocated IPC refit: a trainer streams its weights to a generation process on the same GPU.
 
 * ours:     `begin_refit_ipc` + `stream_weights_via_ipc_zmq` + `end_refit` (the receiver has
-            staged, verified and applied every tensor), with and without the bucket checksum;
+            staged, verified and applied every tensor), with and without the bucket checksum,
+            into the engine's shared staging (the default) and through the trainer's buffers;
 * baseline: one on-GPU copy of the same bytes (`dst.copy_(src)`), in the same run.
 
 Also the trainer's extra peak memory during a refit. Prints one JSON line per model size.
@@ -86,6 +87,14 @@ def bench(size: str, repeats: int) -> dict[str, object]:
         without_sum, _, more = refit_seconds(worker, gen, repeats, checksum=False)
         sums = gen.weight_sums()
         exact = all(sums[n] == tensor_sums(t) for n, t in worker.export_hf_weights())
+    free()
+    with GenerationProcess(
+        str(folder), info, device=device, load_weights=False, shared_staging=False
+    ) as gen:
+        buffered, buffered_peak, _ = refit_seconds(worker, gen, repeats, checksum=False)
+        sums = gen.weight_sums()
+        exact = exact and all(sums[n] == tensor_sums(t) for n, t in worker.export_hf_weights())
+        log(f"{size}: buffered refits done", t0)
     copy = copy_seconds(nbytes, repeats)
     free()
     return {
@@ -105,6 +114,9 @@ def bench(size: str, repeats: int) -> dict[str, object]:
         "ours_vs_copy": copy / with_sum,
         "ours_no_checksum_vs_copy": copy / without_sum,
         "trainer_extra_peak_bytes": peak,
+        "buffered_no_checksum_s": buffered,
+        "buffered_no_checksum_vs_copy": copy / buffered,
+        "buffered_trainer_extra_peak_bytes": buffered_peak,
         "versions": versions + more,
         "receiver_weights_exact": exact,
     }

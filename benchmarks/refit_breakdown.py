@@ -1,7 +1,10 @@
 """Where a colocated IPC refit's time goes (diagnostic, GPU): the whole refit at several buffer
 sizes (per-bucket vs per-refit costs), the trainer's export alone (`send=False`: TP/PP gathers
 and layout conversions, no buffers), and the export plus packing into buffers without a receiver;
-baseline in the same run: one on-GPU copy of the same bytes. Prints one JSON line.
+a refit at the default buffer size with each side's time per phase (the trainer's packing,
+waits for acks, sends; the receiver's waits, buffer mapping, staging, commit) through a receiver
+process of this script that times `policyworker.refit.ipc` and `Staging`; baseline in the same
+run: one on-GPU copy of the same bytes. Prints one JSON line.
 
     python benchmarks/refit_breakdown.py [--size 7b] [--repeats 3]
 """
@@ -9,9 +12,13 @@ baseline in the same run: one on-GPU copy of the same bytes. Prints one JSON lin
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from refit_bench import SIZES, copy_seconds
@@ -29,6 +36,64 @@ def median_s(fn, repeats: int) -> float:
         sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
+
+
+def timed(fn: Callable[..., Any], key: str, into: dict[str, float]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into[key] += time.perf_counter() - t
+
+    return wrapper
+
+
+def timed_receiver(conn: Any, info: dict, device: str) -> None:
+    """A receiver like `GenerationProcess`'s (shared staging, adopted), its phases timed."""
+    import policyworker.refit.ipc as ipc
+    from policyworker.refit.receiver import Staging
+
+    times: dict[str, float] = collections.defaultdict(float)
+    ipc._receive = timed(ipc._receive, "wait_s", times)
+    ipc._mapped = timed(ipc._mapped, "map_s", times)
+    for name in ("begin", "share", "stage", "verify_in_place", "commit"):
+        setattr(Staging, name, timed(getattr(Staging, name), f"{name}_s", times))
+    targets = {n: torch.empty(s, dtype=d, device=device) for n, (s, d) in info.items()}
+    staging = Staging(info, targets, adopt=True, shared=True)
+    conn.send("ready")
+    while (address := conn.recv()) is not None:
+        times.clear()
+        t = time.perf_counter()
+        ipc.receive_ipc(staging, address=address, timeout_s=60)
+        conn.send({"total_s": time.perf_counter() - t, **times})
+
+
+def phases(worker: Any, info: dict, device: str, repeats: int) -> dict[str, Any]:
+    """The median refit's phases on both sides (default buffer size)."""
+    import policyworker.refit.ipc as ipc
+
+    mine: dict[str, float] = collections.defaultdict(float)
+    for name in ("_write_direct", "_pack", "_ack", "_post", "_request", "SharedBuffer"):
+        setattr(ipc, name, timed(getattr(ipc, name), name.strip("_") + "_s", mine))
+    ipc.PeerMappings.open = timed(ipc.PeerMappings.open, "map_s", mine)
+    conn, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=timed_receiver, args=(child, info, device))
+    proc.start()
+    assert conn.recv() == "ready"
+    runs = []
+    for _ in range(repeats + 1):
+        mine.clear()
+        sync()
+        t = time.perf_counter()
+        conn.send(worker.get_zmq_address())
+        worker.stream_weights_via_ipc_zmq()
+        theirs = conn.recv()
+        runs.append({"total_s": time.perf_counter() - t, "trainer": dict(mine), "receiver": theirs})
+    conn.send(None)
+    proc.join()
+    runs = sorted(runs[1:], key=lambda r: r["total_s"])
+    return runs[len(runs) // 2]
 
 
 def main() -> None:
@@ -77,6 +142,7 @@ def main() -> None:
                 gen.end_refit()
 
             row[f"refit_{mib}MiB_s"] = median_s(refit, args.repeats)
+    row["phases"] = phases(worker, info, device, args.repeats)
     row["baseline_gpu_copy_s"] = copy_seconds(nbytes, args.repeats)
     row["refit_2048MiB_vs_copy"] = row["baseline_gpu_copy_s"] / row["refit_2048MiB_s"]
     print(json.dumps(row), flush=True)

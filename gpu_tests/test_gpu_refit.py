@@ -1,5 +1,7 @@
-"""GPU checks of the IPC refit (run on the device, not in CI): CUDA IPC buffers into a
-generation process on the same GPU, bf16, bitwise; the checksum on the device.
+"""GPU checks of the IPC refit (run on the device, not in CI): into a generation process on the
+same GPU — straight into its shared staging (CUDA IPC of the engine's memory) and through the
+trainer's CUDA IPC buffers — bf16, bitwise over several refits (the engine adopting its staging);
+the checksum on the device.
 
 python -m pytest -q gpu_tests/test_gpu_refit.py
 """
@@ -25,7 +27,8 @@ if not torch.cuda.is_available():
     pytest.skip("GPU tests need CUDA", allow_module_level=True)
 
 
-def test_cuda_ipc_refit_is_exact_and_the_checksum_catches_a_flip(tmp_path):
+@pytest.mark.parametrize("shared", [True, False], ids=["direct", "buffers"])
+def test_cuda_ipc_refit_is_exact_and_the_checksum_catches_a_flip(tmp_path, shared):
     folder = make_hf_model(tmp_path, "llama", **MEDIUM)
     cfg = PolicyConfig(
         model_name=str(folder),
@@ -36,10 +39,13 @@ def test_cuda_ipc_refit_is_exact_and_the_checksum_catches_a_flip(tmp_path):
         optimizer=OptimizerConfig(lr=1e-3),
     )
     worker = MegatronPolicyWorker(cfg)
-    worker.train(make_batch(batch=4, seq=100, vocab=1024), NLLLoss())
+    data = make_batch(batch=4, seq=100, vocab=1024)
+    worker.train(data, NLLLoss())
     info = worker.prepare_refit_info()
-    with GenerationProcess(str(folder), info, device="cuda:0") as gen:
-        for version in (1, 2):
+    with GenerationProcess(str(folder), info, device="cuda:0", shared_staging=shared) as gen:
+        for version in (1, 2, 3):
+            if version > 1:
+                worker.train(data, NLLLoss())
             gen.begin_refit_ipc(worker.get_zmq_address())
             report = worker.stream_weights_via_ipc_zmq(buffer_size_bytes=1 << 20)
             assert gen.end_refit() == report.version == version and report.buckets > 1
@@ -51,7 +57,9 @@ def test_cuda_ipc_refit_is_exact_and_the_checksum_catches_a_flip(tmp_path):
             buffer[7] ^= 4
 
         with pytest.raises(RefitError, match="checksum"):
-            send_tampered(worker, flip, bucket_bytes=1 << 20, timeout_s=30, version=3)
+            send_tampered(worker, flip, bucket_bytes=1 << 20, timeout_s=30, version=4)
         with pytest.raises(RefitError, match="checksum"):
             gen.end_refit()
-        assert gen.version() == 2
+        assert gen.version() == 3
+        after = gen.weights()
+        assert all(torch.equal(after[n], got[n]) for n in got)

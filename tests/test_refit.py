@@ -23,7 +23,8 @@ from policyworker.losses import NLLLoss
 from policyworker.model.build import global_named_parameters
 from policyworker.refit.export import model_tensors
 from policyworker.refit.ipc import send_ipc
-from policyworker.refit.layout import ALIGN, Layout, RefitError
+from policyworker.refit.layout import ALIGN, Layout, RefitError, checksum
+from policyworker.refit.receiver import Staging
 
 SMALL_BUFFER = 8192  # several buckets, and tensors larger than a buffer, on the tiny model
 
@@ -68,14 +69,71 @@ def test_layout_aligns_every_tensor_and_covers_it_once(llama_dir):
     assert all(s.offset % ALIGN == 0 for s in layout.slots.values())
 
 
-@pytest.mark.parametrize("checksum", [False, True], ids=["default", "checksummed"])
-def test_ipc_refit_is_exact_and_versioned(llama_dir, checksum):
+def _staged_refit(
+    staging: Staging, layout: Layout, tensors: dict, version: int, flip: bool
+) -> None:
+    """Stage `tensors` bucket by bucket (the last bucket's byte flipped after its checksum when
+    `flip`), then commit."""
+    staging.begin(version)
+    for bucket in layout.buckets:
+        data = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+        for slot in bucket.slots:
+            slot.view(data, base=bucket.start).copy_(tensors[slot.name])
+        header = {"version": version, "index": bucket.index, "start": bucket.start}
+        header |= {"end": bucket.end, "checksum": checksum(data)}
+        header["slots"] = [
+            (s.name, list(s.shape), "float32", s.offset, s.nbytes) for s in bucket.slots
+        ]
+        if flip and bucket.index == len(layout.buckets) - 1:
+            data[0] ^= 1
+        staging.stage(header, data)
+    staging.commit(version)
+
+
+@pytest.mark.parametrize("adopt", [False, True], ids=["copy", "adopt"])
+def test_staging_applies_only_whole_verified_refits(adopt):
+    """Copy or adopt: each refit's tensors become the live ones exactly; a refit failing at its
+    last bucket leaves the live weights (and version) as they were, also once staging reuses the
+    bytes that a refit adopted before."""
+    gen = torch.Generator().manual_seed(0)
+    info = {
+        "a": ((64, 8), torch.float32),
+        "b": ((3,), torch.float32),
+        "c": ((40, 40), torch.float32),
+    }
+    live = {
+        n: torch.nn.Parameter(torch.zeros(shape), requires_grad=False)
+        for n, (shape, _) in info.items()
+    }
+    staging = Staging(info, live, adopt=adopt)
+    layout = Layout(info, bucket_bytes=4096)
+    for version in (1, 2, 3):
+        sent = {n: torch.randn(shape, generator=gen) for n, (shape, _) in info.items()}
+        _staged_refit(staging, layout, sent, version, flip=False)
+        assert staging.version == version
+        assert all(torch.equal(live[n], sent[n]) for n in info)
+        views = {live[n].untyped_storage().data_ptr() for n in info}
+        assert (len(views) == 1) == adopt  # adopted: all views of one staged flat
+        bad = {n: torch.randn(shape, generator=gen) for n, (shape, _) in info.items()}
+        with pytest.raises(RefitError, match="checksum"):
+            _staged_refit(staging, layout, bad, version + 1, flip=True)
+        assert staging.version == version
+        assert all(torch.equal(live[n], sent[n]) for n in info)
+
+
+@pytest.mark.parametrize(
+    "shared,checksum",
+    [(True, False), (True, True), (False, True)],
+    ids=["direct", "direct-checksummed", "buffers-checksummed"],
+)
+def test_ipc_refit_is_exact_and_versioned(llama_dir, shared, checksum):
+    """Into the engine's shared staging (the default) and through the trainer's buffers."""
     refit = RefitConfig(checksum=checksum)
     worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), refit=refit)
     data = make_batch(batch=4, seq=12)
     info = worker.prepare_refit_info()
     local = HFEngine(str(llama_dir), None, device=torch.device("cpu"))
-    with GenerationProcess(str(llama_dir), info) as gen:
+    with GenerationProcess(str(llama_dir), info, shared_staging=shared) as gen:
         assert gen.version() is None
         for version in (1, 2):
             worker.train(data, NLLLoss())  # new weights for each refit
@@ -95,18 +153,20 @@ def test_ipc_refit_is_exact_and_versioned(llama_dir, checksum):
             assert torch.equal(gen.logprobs(ids, lengths), local.logprobs(ids, lengths))
 
 
-def test_a_corrupted_byte_fails_the_checksum_and_changes_nothing(llama_dir):
+@pytest.mark.parametrize("shared", [True, False], ids=["direct", "buffers"])
+def test_a_corrupted_byte_fails_the_checksum_and_changes_nothing(llama_dir, shared):
     worker = make_worker(llama_dir)
     info = worker.prepare_refit_info()
-    with GenerationProcess(str(llama_dir), info) as gen:
+    with GenerationProcess(str(llama_dir), info, shared_staging=shared) as gen:
         before = gen.weights()
         gen.begin_refit_ipc(worker.get_zmq_address())
 
         def flip(buffer):
             buffer[100] ^= 1
 
+        where = "the end of the refit" if shared else "bucket 0"
         with pytest.raises(
-            RefitError, match="refused bucket 0: refit: bucket 0 failed its checksum"
+            RefitError, match=f"refused {where}: refit: bucket 0 failed its checksum"
         ):
             send_tampered(worker, flip, bucket_bytes=SMALL_BUFFER, timeout_s=10)
         with pytest.raises(RefitError, match="checksum"):
@@ -172,7 +232,7 @@ def test_mismatched_refit_info_is_an_error_on_both_sides(llama_dir, tmp_path):
     with GenerationProcess(str(other), other_info) as gen:
         before = gen.weights()
         gen.begin_refit_ipc(worker.get_zmq_address())
-        with pytest.raises(RefitError, match=r"refused bucket .*mlp\.gate_proj\.weight sent as"):
+        with pytest.raises(RefitError, match=r"refused the start .*mlp\.gate_proj\.weight sent as"):
             worker.stream_weights_via_ipc_zmq(buffer_size_bytes=SMALL_BUFFER)
         with pytest.raises(RefitError, match=r"mlp\.gate_proj\.weight sent as"):
             gen.end_refit()

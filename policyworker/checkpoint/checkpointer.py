@@ -142,6 +142,7 @@ class Checkpointer:
             opt_meta = {**base, "kind": "training_state", "distributed_optimizer": _is_dist(t)}
             trees.append((optimizer_path, opt_tree, opt_meta))
         trees.insert(0, (weights_path, live_model_sd, {**base, "kind": "weights"}))
+        trees_s = time.perf_counter() - start
         arena, self._arena = self._arena, None  # stage may free it before allocating anew
         staged, self._arena = sd.stage([tree for _, tree, _ in trees], arena)
         staged_s = time.perf_counter() - start  # copies issued (waited for after planning)
@@ -170,9 +171,16 @@ class Checkpointer:
             pending.commits.append((tmp, target, meta))
         if rank() == 0:
             _write_hf_files(pending.commits[0][0], t.hf_config, tokenizer)
+        planned_s = time.perf_counter() - start
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the staging copies, which the planning above overlapped
-        self.last_save_timing = {"stage_s": staged_s, "staged_bytes": float(staged)}
+        self.last_save_timing = {  # seconds since the call: where a save's blocking time goes
+            "state_dicts_s": trees_s,  # the sharded state dicts built
+            "stage_s": staged_s,  # + host copies issued (a first save allocates their memory)
+            "planned_s": planned_s,  # + the write planned
+            "staged_s": time.perf_counter() - start,  # + the copies done
+            "staged_bytes": float(staged),
+        }
         self._pending = pending
         if async_save:
             pending.thread = threading.Thread(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from policyworker.refit.buffers import remove_leftovers
 from policyworker.refit.layout import RefitError, RefitInfo
 
 _START_TIMEOUT_S = 300.0  # importing torch and transformers, loading the model
@@ -45,13 +46,16 @@ class GenerationProcess:
         device: str = "cpu",
         timeout_s: float = 120.0,
         load_weights: bool = True,
+        shared_staging: bool = True,
     ) -> None:
+        """`shared_staging`: IPC refits write straight into the engine's staging area (one pass
+        over the bytes); False: through the trainer's two buffers (docs/refit.md)."""
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, model_dir, info, tokenizer, device, load_weights),
+            args=(child, model_dir, info, tokenizer, device, load_weights, shared_staging),
             daemon=True,
         )
         self._proc.start()
@@ -106,11 +110,13 @@ class GenerationProcess:
             self._proc.kill()
             self._proc.join()
         self._conn.close()
+        remove_leftovers(self._proc.pid)
 
     def kill(self) -> None:
         """SIGKILL the process (tests: a receiver that dies mid-refit)."""
         self._proc.kill()
         self._proc.join()
+        remove_leftovers(self._proc.pid)
 
     def __enter__(self) -> GenerationProcess:
         return self
@@ -146,6 +152,7 @@ def _serve(
     tokenizer: Any,
     device: str,
     load_weights: bool,
+    shared_staging: bool,
 ) -> None:
     """The process: build the engine and its staging area, then answer commands until close."""
     from policyworker.generation.engine import HFEngine
@@ -158,7 +165,8 @@ def _serve(
     engine = HFEngine(
         model_dir, tokenizer, device=torch.device(device), dtype=dtype, load_weights=load_weights
     )
-    staging = Staging(info, engine.refit_targets(set(info)))
+    targets = engine.refit_targets(set(info))
+    staging = Staging(info, targets, adopt=True, shared=shared_staging)  # adopt: no CUDA graphs
     conn.send(("ok", None))
     handlers = {
         "sample": lambda args, kw: engine.sample(*args, **kw),

@@ -7,9 +7,12 @@ CPU this lets CI run the exact protocol that a colocated GPU refit runs.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import tempfile
 import uuid
+import weakref
 from typing import Any
 
 import torch
@@ -27,13 +30,21 @@ class SharedBuffer:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._handle: dict[str, Any] = {"kind": "cuda", "args": reduce_tensor(self.tensor)[1]}
         else:  # a file in shared memory, mapped by both sides
-            self._path = os.path.join(_SHM_DIR, f"policyworker-refit-{uuid.uuid4().hex}")
+            self._path = os.path.join(_SHM_DIR, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
             self.tensor = _map(self._path, nbytes)
             self._handle = {"kind": "shm", "path": self._path}
+            weakref.finalize(self, _unlink, self._path)  # also at exit; see remove_leftovers
         self._handle["nbytes"] = nbytes
 
     def handle(self) -> dict[str, Any]:
         return self._handle
+
+    def share(self) -> dict[str, Any]:
+        """A handle for one more mapping by another process. A CUDA buffer mapped again (a
+        receiver's staging, shared every refit) needs a fresh one: each IPC share is counted."""
+        if self._path is not None:
+            return self._handle
+        return {"kind": "cuda", "args": reduce_tensor(self.tensor)[1], "nbytes": self.nbytes}
 
     def close(self) -> None:
         """Free the buffer (idempotent)."""
@@ -42,7 +53,7 @@ class SharedBuffer:
         self._closed = True
         del self.tensor
         if self._path is not None:  # a receiver's mapping outlives the name
-            os.unlink(self._path)
+            _unlink(self._path)
 
 
 class MappedBuffer:
@@ -59,6 +70,18 @@ class MappedBuffer:
 
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+_PREFIX = "policyworker-refit-"
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def remove_leftovers(pid: int) -> None:
+    """Remove the CPU buffers of process `pid`, which died without cleaning up (killed)."""
+    for path in glob.glob(os.path.join(_SHM_DIR, f"{_PREFIX}{pid}-*")):
+        _unlink(path)
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:

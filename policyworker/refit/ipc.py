@@ -1,22 +1,27 @@
-"""Colocated refit: buckets through two shared buffers, a ZMQ REQ/REP handshake per bucket.
+"""Colocated refit: the trainer writes the receiver's staging bytes, or goes through two buffers.
 
-Sender (the trainer, REQ, binds `address`):
+Every refit starts with "begin" (the trainer's whole slot list, checked by the receiver before any
+byte moves) and ends with "complete". The receiver's answer to "begin" picks the path:
 
-    for each bucket: pack it into buffer (k % 2)  [a bucket larger than a buffer: its own buffer]
-                     checksum it on the device; wait for the ack of bucket k-1; send its header
-    send "complete"; wait for the receiver's verdict
+* direct (the receiver shares its staging area): the trainer maps it and packs every bucket
+  straight into it — one pass over the bytes, no per-bucket messages, no buffers of its own —
+  then sends the buckets' headers (and checksums) with "complete";
+* buffers (it does not): for each bucket, pack it into buffer (k % 2) [a bucket larger than a
+  buffer: its own buffer], checksum it on the device, wait for the ack of bucket k-1, send its
+  header. Bucket k-1's header goes out as soon as it is packed, so the receiver stages bucket
+  k-1 while the sender packs bucket k; a buffer is reused only after the ack of the bucket it
+  held (k-2).
 
-Bucket k-1's header goes out as soon as it is packed, so the receiver stages bucket k-1 while the
-sender packs bucket k; a buffer is reused only after the ack of the bucket it held (k-2). Receiver (REP, connects): maps the buffer, stages and
-verifies the bucket (`receiver.Staging`), acks; on "complete" checks that every name arrived once
-and applies the refit. Every wait has a deadline; an error on either side is answered to the
-other (when it is still there) and raised as `RefitError`. The messages are in docs/refit.md.
+The receiver (REP, connects) verifies each bucket (`receiver.Staging`) and on "complete" checks
+that every name arrived once and applies the refit. Every wait has a deadline; an error on either
+side is answered to the other (when it is still there) and raised as `RefitError`. The messages
+are in docs/refit.md.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +29,8 @@ import torch
 import zmq
 
 from policyworker.refit.buffers import MappedBuffer, SharedBuffer
-from policyworker.refit.layout import Bucket, Layout, RefitError, checksum, pack
-from policyworker.refit.receiver import Staging, dtype_name
+from policyworker.refit.layout import Bucket, Layout, RefitError, Slot, checksum, pack
+from policyworker.refit.receiver import SlotHeader, Staging, dtype_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,29 @@ class _Pending:
         self.header, self.buffer, self.own = header, buffer, own
 
 
+class PeerMappings:
+    """The receivers' staging areas that a trainer mapped, the last `keep` of them kept between
+    refits: opening a CUDA IPC mapping of a large area costs milliseconds, and while one of them
+    is alive torch reuses its mapping for the same memory (a receiver that adopts alternates
+    between two areas). A failed refit drops them all (the receiver may be gone)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._recent: list[MappedBuffer] = []
+
+    def open(self, handle: dict[str, Any]) -> MappedBuffer:
+        mapped = MappedBuffer(handle)  # before older ones are dropped: their mapping is reused
+        self._recent.append(mapped)
+        while len(self._recent) > max(self.keep, 1):
+            self._recent.pop(0).close()
+        return mapped
+
+    def clear(self) -> None:
+        for mapped in self._recent:
+            mapped.close()
+        self._recent = []
+
+
 def send_ipc(
     tensors: Iterator[tuple[str, torch.Tensor]],
     layout: Layout,
@@ -94,20 +122,106 @@ def send_ipc(
     timeout_s: float,
     use_checksum: bool,
     device: torch.device,
+    peers: PeerMappings | None = None,
     tamper: Callable[[torch.Tensor], None] | None = None,
 ) -> RefitReport:
     """Stream `tensors` (in `layout` order) to the receiver connected at `address`.
 
-    `tamper` (tests only) may change a packed buffer after its checksum was taken.
+    `peers`: mappings kept from earlier refits (None: none kept). `tamper` (tests only) may
+    change a packed bucket's bytes after its checksum was taken.
     """
     start = time.perf_counter()
+    sock = _socket(zmq.REQ, timeout_s)
+    sock.bind(address)
+    mappings = peers or PeerMappings(keep=1)
+    try:
+        begin = {
+            "type": "begin",
+            "version": version,
+            "total": layout.total,
+            "slots": _slots(layout.slots.values()),
+        }
+        staging = _request(sock, begin, "the start of the refit", address).get("staging")
+        args = (tensors, layout, version, use_checksum, device, tamper)
+        if staging is not None:
+            headers = _write_direct(mappings.open(staging).tensor, *args)
+        else:
+            headers = _send_buffered(sock, address, *args)
+        done = {"type": "complete", "version": version, "names": len(layout.slots)}
+        _request(sock, done | {"buckets": headers}, "the end of the refit", address)
+    except BaseException:
+        mappings.clear()
+        raise
+    finally:
+        sock.close()
+        if peers is None:
+            mappings.clear()
+    return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
+
+
+def _slots(slots: Iterable[Slot]) -> list[SlotHeader]:
+    return [(s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in slots]
+
+
+def _header(bucket: Bucket, version: int, total: int | torch.Tensor | None) -> dict[str, Any]:
+    return {
+        "type": "bucket",
+        "version": version,
+        "index": bucket.index,
+        "start": bucket.start,
+        "end": bucket.end,
+        "slots": _slots(bucket.slots),
+        "checksum": total,
+    }
+
+
+def _write_direct(
+    target: torch.Tensor,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    layout: Layout,
+    version: int,
+    use_checksum: bool,
+    device: torch.device,
+    tamper: Callable[[torch.Tensor], None] | None,
+) -> list[dict[str, Any]]:
+    """Pack every bucket into `target`, the receiver's staging bytes; the buckets' headers."""
+    if target.numel() < layout.total:
+        raise RefitError(
+            f"refit: the receiver's staging holds {target.numel()} bytes, the layout {layout.total}"
+        )
+    headers = []
+    for bucket in layout.buckets:
+        region = target[bucket.start : bucket.end]
+        pack(bucket, region, tensors)
+        # kept on the device: one synchronization for the whole refit, not one per bucket
+        total = region.view(torch.int64).sum() if use_checksum else None
+        if tamper is not None:
+            tamper(region)
+        headers.append(_header(bucket, version, total))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the bytes are there before "complete"
+    for header in headers:
+        if header["checksum"] is not None:
+            header["checksum"] = int(header["checksum"])
+    return headers
+
+
+def _send_buffered(
+    sock: zmq.Socket,
+    address: str,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    layout: Layout,
+    version: int,
+    use_checksum: bool,
+    device: torch.device,
+    tamper: Callable[[torch.Tensor], None] | None,
+) -> list[dict[str, Any]]:
+    """Every bucket through two ping-pong buffers, acked one by one; no headers left to send."""
     # Two buffers of the largest regular bucket (at most the bucket size); larger tensors get
     # a buffer of their own.
     assert layout.bucket_bytes is not None
     size = max((b.nbytes for b in layout.buckets if b.nbytes <= layout.bucket_bytes), default=0)
     buffers = [SharedBuffer(size, device) for _ in range(2)] if size else []
-    sock = _socket(zmq.REQ, timeout_s)
-    sock.bind(address)
     in_flight: _Pending | None = None  # sent, its ack not yet received
     try:
         for bucket in layout.buckets:
@@ -129,15 +243,12 @@ def send_ipc(
         if in_flight is not None:
             last, in_flight = in_flight, None
             _ack(sock, last, address)
-        done = {"type": "complete", "version": version, "names": len(layout.slots)}
-        _request(sock, done, "the end of the refit", address)
     finally:
-        sock.close()
         if in_flight is not None and in_flight.own:
             in_flight.buffer.close()  # sent but never acked (idempotent when it was)
         for buf in buffers:
             buf.close()
-    return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
+    return []
 
 
 def _post(sock: zmq.Socket, header: dict[str, Any], peer: str) -> None:
@@ -183,18 +294,7 @@ def _pack(
     total = checksum(data) if use_checksum else None  # syncs the device when computed
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the bytes are there before the header
-    return {
-        "type": "bucket",
-        "version": version,
-        "index": bucket.index,
-        "buffer": buf.handle(),
-        "start": bucket.start,
-        "end": bucket.end,
-        "slots": [
-            (s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in bucket.slots
-        ],
-        "checksum": total,
-    }
+    return _header(bucket, version, total) | {"buffer": buf.handle()}
 
 
 def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
@@ -213,15 +313,19 @@ def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
         while True:
             message = _receive(sock, address, staging.version)
             try:
-                if message["type"] == "complete":
+                if message["type"] == "begin":
+                    staging.begin(message["version"], message["slots"])
+                    sock.send_pyobj({"ok": True, "staging": staging.share()})
+                elif message["type"] == "bucket":  # through the trainer's buffers
+                    buf = _mapped(mapped, message["buffer"])
+                    staging.stage(message, buf.tensor)
+                    sock.send_pyobj({"ok": True})
+                else:  # "complete": the headers of buckets written into our staging, if any
+                    for header in message["buckets"]:
+                        staging.verify_in_place(header)
                     staging.commit(message["version"])
                     sock.send_pyobj({"ok": True, "version": message["version"]})
                     return message["version"]
-                if message["index"] == 0:
-                    staging.begin(message["version"])
-                buf = _mapped(mapped, message["buffer"])
-                staging.stage(message, buf.tensor)
-                sock.send_pyobj({"ok": True})
             except RefitError as e:
                 sock.send_pyobj({"ok": False, "error": str(e)})
                 raise

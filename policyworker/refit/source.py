@@ -15,7 +15,7 @@ from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups
 from policyworker.refit.collective import broadcast_refit, join_refit_group
 from policyworker.refit.export import model_tensors, owners, refit_info
-from policyworker.refit.ipc import RefitReport, send_ipc
+from policyworker.refit.ipc import PeerMappings, RefitReport, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo
 from policyworker.refit.reshard import Member, ReshardGroup, report
 
@@ -58,6 +58,8 @@ class RefitSource:
         self._owners: list[int] = []
         self._reshard: ReshardGroup | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # a destination's, made once
+        self._layouts: dict[int, Layout] = {}  # per bucket size
+        self._peers = PeerMappings()  # the colocated receiver's staging areas, kept mapped
         sock = f"policyworker-refit-{os.getpid()}-{dist.get_rank()}.sock"
         self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
@@ -77,7 +79,9 @@ class RefitSource:
         only take part in the TP/PP gathers). Collective over the model-parallel group."""
         info = self.info()
         size = buffer_size_bytes or self.cfg.buffer_size_bytes or self._default_buffer_bytes()
-        layout = Layout(info, size)
+        if size not in self._layouts:  # cut once per size (Python over every tensor)
+            self._layouts[size] = Layout(info, size)
+        layout = self._layouts[size]
         tensors = model_tensors(
             self._params(), self.shape, self.groups, info, self._owners, self.device
         )
@@ -93,6 +97,7 @@ class RefitSource:
             timeout_s=timeout_s or self.cfg.timeout_s,
             use_checksum=self.cfg.checksum,
             device=self.device,
+            peers=self._peers,
         )
         self.version = report.version
         return report
