@@ -76,7 +76,7 @@ def phases(worker: Any, info: dict, device: str, repeats: int) -> dict[str, Any]
     mine: dict[str, float] = collections.defaultdict(float)
     for name in ("_write_direct", "_pack", "_ack", "_post", "_request", "SharedBuffer"):
         setattr(ipc, name, timed(getattr(ipc, name), name.strip("_") + "_s", mine))
-    ipc.PeerMappings.open = timed(ipc.PeerMappings.open, "map_s", mine)
+    ipc.IpcLink.open = timed(ipc.IpcLink.open, "map_s", mine)
     conn, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=timed_receiver, args=(child, info, device))
     proc.start()

@@ -6,7 +6,7 @@ import os
 import torch
 from safetensors.torch import load_file
 
-from policyworker.refit.ipc import send_ipc
+from policyworker.refit.ipc import IpcLink, send_ipc
 from policyworker.refit.layout import Layout
 
 
@@ -25,7 +25,7 @@ def dying_trainer(model_dir: str, info, address: str, bucket_bytes: int, ready, 
     send_ipc(
         ((n, weights[n]) for n in info),
         Layout(info, bucket_bytes),
-        address=address,
+        link=IpcLink(address),
         version=1,
         timeout_s=30,
         use_checksum=True,

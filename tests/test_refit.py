@@ -38,7 +38,7 @@ def send_tampered(worker, tamper, *, bucket_bytes: int, timeout_s: float, versio
     send_ipc(
         model_tensors(params, src.shape, src.groups, info, src._owners, src.device),
         Layout(info, bucket_bytes),
-        address=worker.get_zmq_address(),
+        link=src.link,
         version=version,
         timeout_s=timeout_s,
         use_checksum=True,

@@ -90,14 +90,18 @@ class _Pending:
         self.header, self.buffer, self.own = header, buffer, own
 
 
-class PeerMappings:
-    """The receivers' staging areas that a trainer mapped, the last `keep` of them kept between
-    refits: opening a CUDA IPC mapping of a large area costs milliseconds, and while one of them
-    is alive torch reuses its mapping for the same memory (a receiver that adopts alternates
-    between two areas). A failed refit drops them all (the receiver may be gone)."""
+class IpcLink:
+    """What a trainer keeps between IPC refits to the receiver at `address`: its mappings of
+    the receiver's last `keep` staging areas. Opening a CUDA IPC mapping of a whole model costs
+    milliseconds, and while one is alive torch reuses it for the same memory (a receiver that
+    adopts alternates between two areas). A failed refit drops them (the receiver may be gone).
 
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
+    The socket is not kept: a REQ socket bound across refits may send the next refit's first
+    message down the connection of the previous receiver, closed but not yet reaped — lost.
+    """
+
+    def __init__(self, address: str, keep: int = 2) -> None:
+        self.address, self.keep = address, keep
         self._recent: list[MappedBuffer] = []
 
     def open(self, handle: dict[str, Any]) -> MappedBuffer:
@@ -107,7 +111,7 @@ class PeerMappings:
             self._recent.pop(0).close()
         return mapped
 
-    def clear(self) -> None:
+    def reset(self) -> None:
         for mapped in self._recent:
             mapped.close()
         self._recent = []
@@ -117,23 +121,21 @@ def send_ipc(
     tensors: Iterator[tuple[str, torch.Tensor]],
     layout: Layout,
     *,
-    address: str,
+    link: IpcLink,
     version: int,
     timeout_s: float,
     use_checksum: bool,
     device: torch.device,
-    peers: PeerMappings | None = None,
     tamper: Callable[[torch.Tensor], None] | None = None,
 ) -> RefitReport:
-    """Stream `tensors` (in `layout` order) to the receiver connected at `address`.
+    """Stream `tensors` (in `layout` order) to the receiver connected at `link.address`.
 
-    `peers`: mappings kept from earlier refits (None: none kept). `tamper` (tests only) may
-    change a packed bucket's bytes after its checksum was taken.
+    `tamper` (tests only) may change a packed bucket's bytes after its checksum was taken.
     """
     start = time.perf_counter()
+    address = link.address
     sock = _socket(zmq.REQ, timeout_s)
     sock.bind(address)
-    mappings = peers or PeerMappings(keep=1)
     try:
         begin = {
             "type": "begin",
@@ -144,18 +146,16 @@ def send_ipc(
         staging = _request(sock, begin, "the start of the refit", address).get("staging")
         args = (tensors, layout, version, use_checksum, device, tamper)
         if staging is not None:
-            headers = _write_direct(mappings.open(staging).tensor, *args)
+            headers = _write_direct(link.open(staging).tensor, *args)
         else:
             headers = _send_buffered(sock, address, *args)
         done = {"type": "complete", "version": version, "names": len(layout.slots)}
         _request(sock, done | {"buckets": headers}, "the end of the refit", address)
     except BaseException:
-        mappings.clear()
+        link.reset()
         raise
     finally:
         sock.close()
-        if peers is None:
-            mappings.clear()
     return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
 

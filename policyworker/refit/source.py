@@ -15,7 +15,7 @@ from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups
 from policyworker.refit.collective import broadcast_refit, join_refit_group
 from policyworker.refit.export import model_tensors, owners, refit_info
-from policyworker.refit.ipc import PeerMappings, RefitReport, send_ipc
+from policyworker.refit.ipc import IpcLink, RefitReport, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo
 from policyworker.refit.reshard import Member, ReshardGroup, report
 
@@ -59,10 +59,10 @@ class RefitSource:
         self._reshard: ReshardGroup | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # a destination's, made once
         self._layouts: dict[int, Layout] = {}  # per bucket size
-        self._peers = PeerMappings()  # the colocated receiver's staging areas, kept mapped
         sock = f"policyworker-refit-{os.getpid()}-{dist.get_rank()}.sock"
         self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
+        self.link = IpcLink(self.address)  # the receiver's staging areas, kept mapped
 
     def info(self) -> RefitInfo:
         """Refit info of the whole model (collective over the pipeline group the first time)."""
@@ -92,12 +92,11 @@ class RefitSource:
         report = send_ipc(
             tensors,
             layout,
-            address=self.address,
+            link=self.link,
             version=self.version + 1,
             timeout_s=timeout_s or self.cfg.timeout_s,
             use_checksum=self.cfg.checksum,
             device=self.device,
-            peers=self._peers,
         )
         self.version = report.version
         return report
