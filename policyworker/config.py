@@ -162,12 +162,14 @@ class RefitConfig:
     """Seconds either side waits for the other before the refit fails (a dead peer is an error,
     never a hang); a call's `refit_timeout_s` overrides it."""
     buffer_size_bytes: int = 0
-    """Bytes of each of the two transfer buffers; 0: from free device memory (a tenth of it,
-    between 64 MiB and 2 GiB; 64 MiB on CPU). A call's `buffer_size_bytes` overrides it."""
+    """Bytes of a bucket, and of each of the two transfer buffers when the receiver does not
+    share its staging; 0: from free device memory (a tenth of it, between 64 MiB and 2 GiB;
+    64 MiB on CPU). A call's `buffer_size_bytes` overrides it."""
     checksum: bool = False
     """Checksum every bucket on the sending device and verify it on the receiver. Off by default:
-    on an H200 it added 55-67% to a colocated refit (BENCHMARKS.md), over the 5% that would make
-    it worth paying on every refit; turn it on to catch corrupted transfers."""
+    on an H200 it added 14-58% to a colocated refit (BENCHMARKS.md), over the 5% that would make
+    it worth paying on every refit (the receiver must read every byte once more to verify, and
+    the refit itself is one pass); turn it on to catch corrupted transfers."""
 
     def validate(self, prefix: str = "refit") -> None:
         _check(self.timeout_s > 0, f"{prefix}.timeout_s", "> 0", self.timeout_s)

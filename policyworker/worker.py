@@ -379,9 +379,10 @@ class MegatronPolicyWorker:
     def stream_weights_via_ipc_zmq(
         self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
     ) -> RefitReport | None:
-        """Refit the receiver at `get_zmq_address()` through two shared buffers (CUDA IPC on GPU,
-        shared memory on CPU): every weight once, applied by the receiver only when
-        complete. Collective over TP/PP; ranks with `send=False` only take part in the gathers."""
+        """Refit the receiver at `get_zmq_address()`: straight into its shared staging, or
+        through two shared buffers (CUDA IPC on GPU, shared memory on CPU); every weight once,
+        applied by the receiver only when complete. Collective over TP/PP; ranks with
+        `send=False` only take part in the gathers."""
         check_refit_args(buffer_size_bytes, refit_timeout_s)
         self.memory.require("stream_weights_via_ipc_zmq", "params")
         return self.refit.stream_ipc(
