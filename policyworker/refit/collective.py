@@ -52,7 +52,8 @@ def fingerprint(info: RefitInfo) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
-def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> dist.Work:
+def start_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> dist.Work:
+    """Broadcast `tensor` from the group's rank 0 (asynchronous: `wait_for` the work)."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     try:
@@ -61,14 +62,15 @@ def _broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> dis
         raise RefitError(f"refit: the collective failed at {what}: {e}") from None
 
 
-def _wait(work: dist.Work, what: str, timeout: datetime.timedelta) -> None:
+def wait_for(work: dist.Work, what: str, timeout: datetime.timedelta) -> None:
+    """Wait for a collective; a dead peer or the timeout is a `RefitError` naming `what`."""
     try:
         work.wait(timeout)
     except RuntimeError as e:  # a dead peer or the timeout
         raise RefitError(f"refit: the collective failed at {what}: {e}") from None
 
 
-def _agree(
+def agree(
     group: dist.ProcessGroup,
     ok: bool,
     device: torch.device,
@@ -83,7 +85,7 @@ def _agree(
         work = group.allreduce([flag], opts)
     except RuntimeError as e:
         raise RefitError(f"refit: the collective failed at {what}: {e}") from None
-    _wait(work, what, timeout)
+    wait_for(work, what, timeout)
     return bool(flag.item())
 
 
@@ -105,8 +107,8 @@ def broadcast_refit(
     layout = Layout(info, bucket_bytes)
     header = [version, bucket_bytes, int(use_checksum), fingerprint(info)]
     head = torch.tensor(header, dtype=torch.int64, device=device)
-    _wait(_broadcast(group, head, "the header"), "the header", timeout)
-    if not _agree(group, True, device, "the refit info check", timeout):
+    wait_for(start_broadcast(group, head, "the header"), "the header", timeout)
+    if not agree(group, True, device, "the refit info check", timeout):
         raise RefitError("refit: a receiver's refit info differs from the trainer's")
     size = max((b.nbytes for b in layout.buckets if b.nbytes <= bucket_bytes), default=0)
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
@@ -114,23 +116,23 @@ def broadcast_refit(
     for bucket in layout.buckets:
         slot = bucket.index % num_buffers
         for work in in_flight[slot]:  # the buffer's previous bucket has left
-            _wait(work, f"bucket {bucket.index - num_buffers}", timeout)
+            wait_for(work, f"bucket {bucket.index - num_buffers}", timeout)
         own = bucket.nbytes > size
         buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device) if own else buffers[slot]
         pack(bucket, buf, tensors)
-        works = [_broadcast(group, buf[: bucket.nbytes], f"bucket {bucket.index}")]
+        works = [start_broadcast(group, buf[: bucket.nbytes], f"bucket {bucket.index}")]
         if use_checksum:
             total = torch.tensor([checksum(buf[: bucket.nbytes])], device=device)
-            works.append(_broadcast(group, total, f"bucket {bucket.index}'s checksum"))
+            works.append(start_broadcast(group, total, f"bucket {bucket.index}'s checksum"))
         if own:  # its buffer is used once: wait here rather than keep it
             for work in works:
-                _wait(work, f"bucket {bucket.index}", timeout)
+                wait_for(work, f"bucket {bucket.index}", timeout)
             works = []
         in_flight[slot] = works
     for works in in_flight:
         for work in works:
-            _wait(work, "the last buckets", timeout)
-    if not _agree(group, True, device, "the end of the refit", timeout):
+            wait_for(work, "the last buckets", timeout)
+    if not agree(group, True, device, "the end of the refit", timeout):
         raise RefitError("refit: a receiver rejected the refit (its weights are unchanged)")
     return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
@@ -142,10 +144,10 @@ def receive_refit(
     with the live weights unchanged when anything fails."""
     timeout = datetime.timedelta(seconds=timeout_s)
     head = torch.zeros(4, dtype=torch.int64, device=device)
-    _wait(_broadcast(group, head, "the header"), "the header", timeout)
+    wait_for(start_broadcast(group, head, "the header"), "the header", timeout)
     version, bucket_bytes, use_checksum, theirs = head.tolist()
     mine = fingerprint(staging.layout.info)
-    if not _agree(group, theirs == mine, device, "the refit info check", timeout):
+    if not agree(group, theirs == mine, device, "the refit info check", timeout):
         raise RefitError(
             "refit: the trainer's refit info differs from this receiver's (or "
             "another receiver's); the live weights are unchanged"
@@ -155,11 +157,19 @@ def receive_refit(
     ok, error = True, ""
     for bucket in layout.buckets:
         data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-        _wait(_broadcast(group, data, f"bucket {bucket.index}"), f"bucket {bucket.index}", timeout)
+        wait_for(
+            start_broadcast(group, data, f"bucket {bucket.index}"),
+            f"bucket {bucket.index}",
+            timeout,
+        )
         total = None
         if use_checksum:
             t = torch.zeros(1, dtype=torch.int64, device=device)
-            _wait(_broadcast(group, t, "a checksum"), f"bucket {bucket.index}'s checksum", timeout)
+            wait_for(
+                start_broadcast(group, t, "a checksum"),
+                f"bucket {bucket.index}'s checksum",
+                timeout,
+            )
             total = int(t.item())
         if ok:
             try:
@@ -171,7 +181,7 @@ def receive_refit(
             staging.commit(version)
         except RefitError as e:
             ok, error = False, str(e)
-    _agree(group, ok, device, "the end of the refit", timeout)
+    agree(group, ok, device, "the end of the refit", timeout)
     if not ok:
         raise RefitError(error)
     return version

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.weights import GateUp, Mapping, VocabRows, mappings
-from policyworker.refit.collective import _agree, _broadcast, _wait, fingerprint
+from policyworker.refit.collective import agree, fingerprint, start_broadcast, wait_for
 from policyworker.refit.ipc import RefitReport
 from policyworker.refit.layout import RefitError, RefitInfo, checksum
 
@@ -152,9 +152,9 @@ class ReshardGroup:
         if timeout_s is not None:
             self.timeout = datetime.timedelta(seconds=timeout_s)
         head = torch.tensor([version, int(use_checksum), fingerprint(info)], device=self.device)
-        _wait(_broadcast(self.pg, head, "the header"), "the header", self.timeout)
+        wait_for(start_broadcast(self.pg, head, "the header"), "the header", self.timeout)
         version, use_checksum, theirs = (int(x) for x in head.tolist())
-        if not _agree(
+        if not agree(
             self.pg, theirs == fingerprint(info), self.device, "the refit info check", self.timeout
         ):
             raise RefitError("reshard: the trainer's refit info differs from a destination's")
@@ -171,7 +171,7 @@ class ReshardGroup:
             if staging is None:
                 raise
             ok, error = False, str(e)
-        if not _agree(self.pg, ok, self.device, "the end of the refit", self.timeout):
+        if not agree(self.pg, ok, self.device, "the end of the refit", self.timeout):
             raise RefitError(error or "reshard: a destination rejected the refit (unchanged)")
         if staging is not None:
             with torch.no_grad():
@@ -193,8 +193,8 @@ class ReshardGroup:
         flat = torch.cat([params[n].detach().reshape(-1) for n in names])
         if self.me.destination or self.me.rank != 0:
             flat = torch.empty_like(flat)
-        _wait(
-            _broadcast(self.pg, flat, "the replicated weights"),
+        wait_for(
+            start_broadcast(self.pg, flat, "the replicated weights"),
             "the replicated weights",
             self.timeout,
         )
@@ -241,7 +241,7 @@ class ReshardGroup:
                     works.append((self.pg.recv([total], src, tag + 1_000_000), f"checksum {tag}"))
                 received.append((piece, data, total))
         for work, what in works:
-            _wait(work, what, self.timeout)
+            wait_for(work, what, self.timeout)
         with torch.no_grad():
             for piece, data, total in received:
                 if total is not None and _sum(data) != int(total.item()):
