@@ -1,6 +1,6 @@
 """GPU check of the async save (run on the device, not in CI): the checkpoint holds the state
-as of the call — its host copies run on a side stream — although training goes on while the
-writer runs; loading it restores weights and optimizer state bit for bit.
+as of the call, although training goes on while the writer runs; loading it restores weights and
+optimizer state bit for bit.
 
 python -m pytest -q gpu_tests/test_gpu_checkpoint.py
 """

@@ -104,9 +104,6 @@ class Checkpointer:
         self._strategies: dict[str, TorchDistSaveShardedStrategy] = {}
         self._pending: _Pending | None = None
         self._arena: HostArena | None = None  # staging memory, reused by every save
-        # Staging copies run on their own stream, so that the write planning (whose collectives
-        # use the default stream) overlaps them instead of waiting for them.
-        self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self.last_save_timing: dict[str, float] = {}
 
     # --- save ------------------------------------------------------------------------------------
@@ -147,7 +144,7 @@ class Checkpointer:
         trees.insert(0, (weights_path, live_model_sd, {**base, "kind": "weights"}))
         trees_s = time.perf_counter() - start
         arena, self._arena = self._arena, None  # stage may free it before allocating anew
-        staged, self._arena = sd.stage([tree for _, tree, _ in trees], arena, self._copy_stream)
+        staged, self._arena = sd.stage([tree for _, tree, _ in trees], arena)
         staged_s = time.perf_counter() - start  # copies issued (waited for after planning)
         pending = _Pending(requests=[], commits=[])
         _in_process_results()

@@ -14,7 +14,6 @@ changes no weight.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -175,16 +174,12 @@ def complete_adam_state(optimizer: Any) -> None:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
 
-def stage(
-    trees: list[StateDict], arena: HostArena | None, stream: torch.cuda.Stream | None = None
-) -> tuple[int, HostArena | None]:
+def stage(trees: list[StateDict], arena: HostArena | None) -> tuple[int, HostArena | None]:
     """Replace every sharded tensor's data in `trees` with a host copy; returns the bytes copied
     and the host arena that holds them (`arena` again when the sizes match, so a run's saves
     page-lock their staging memory once). Factories are applied first so that what is staged is
-    what is written. The device-to-host copies are only issued, on `stream` when given (after
-    the work queued so far): the caller synchronizes the device (and plans the write meanwhile)
-    before it reads the host tensors or lets the live ones change. A side stream keeps the
-    planning's own device work (its collectives) from queueing behind the copies."""
+    what is written. The device-to-host copies are only issued: the caller synchronizes (and
+    plans the write meanwhile) before it reads the host tensors or lets the live ones change."""
     found: list[ShardedTensor] = []
 
     def note(x: Any) -> Any:
@@ -199,14 +194,11 @@ def stage(
     if arena is None or not arena.fits(sizes):
         arena = None  # the caller's one is dropped (freed) before the new one is allocated
         arena = HostArena(sizes, pin=torch.cuda.is_available())
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream())  # the values as of this call
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for i, x in enumerate(found):
-            src = x.data.detach()
-            host = arena.tensor(i, src.dtype, src.shape)
-            host.copy_(src, non_blocking=True)
-            x.data = host
+    for i, x in enumerate(found):
+        src = x.data.detach()
+        host = arena.tensor(i, src.dtype, src.shape)
+        host.copy_(src, non_blocking=True)
+        x.data = host
     return sum(sizes), arena
 
 
