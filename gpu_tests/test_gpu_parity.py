@@ -33,6 +33,22 @@ MEDIUM = dict(
 )
 
 
+def bf16_trainer(folder) -> MegatronPolicyWorker:
+    """A bf16 worker with an Adam optimizer (lr 1e-3) for 4 x 128-token batches of 2-row
+    micro-batches: the trainer of the refit and checkpoint GPU tests."""
+    from policyworker.config import OptimizerConfig
+
+    cfg = PolicyConfig(
+        model_name=str(folder),
+        precision="bfloat16",
+        train_global_batch_size=4,
+        train_micro_batch_size=2,
+        max_total_sequence_length=128,
+        optimizer=OptimizerConfig(lr=1e-3),
+    )
+    return MegatronPolicyWorker(cfg)
+
+
 def _worker(folder, precision):
     cfg = PolicyConfig(
         model_name=str(folder),

@@ -14,14 +14,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from helpers import make_batch, make_hf_model
-from test_gpu_parity import MEDIUM
+from test_gpu_parity import MEDIUM, bf16_trainer
 from test_refit import send_tampered
 
-from policyworker.config import OptimizerConfig, PolicyConfig
 from policyworker.generation.process import GenerationProcess
 from policyworker.losses import NLLLoss
 from policyworker.refit.layout import RefitError
-from policyworker.worker import MegatronPolicyWorker
 
 if not torch.cuda.is_available():
     pytest.skip("GPU tests need CUDA", allow_module_level=True)
@@ -30,15 +28,7 @@ if not torch.cuda.is_available():
 @pytest.mark.parametrize("shared", [True, False], ids=["direct", "buffers"])
 def test_cuda_ipc_refit_is_exact_and_the_checksum_catches_a_flip(tmp_path, shared):
     folder = make_hf_model(tmp_path, "llama", **MEDIUM)
-    cfg = PolicyConfig(
-        model_name=str(folder),
-        precision="bfloat16",
-        train_global_batch_size=4,
-        train_micro_batch_size=2,
-        max_total_sequence_length=128,
-        optimizer=OptimizerConfig(lr=1e-3),
-    )
-    worker = MegatronPolicyWorker(cfg)
+    worker = bf16_trainer(folder)
     data = make_batch(batch=4, seq=100, vocab=1024)
     worker.train(data, NLLLoss())
     info = worker.prepare_refit_info()

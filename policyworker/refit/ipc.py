@@ -90,6 +90,19 @@ class _Pending:
         self.header, self.buffer, self.own = header, buffer, own
 
 
+@dataclass(frozen=True, slots=True)
+class _Refit:
+    """One refit's inputs, as both paths take them. `tamper` (tests only) may change a packed
+    bucket's bytes after its checksum was taken."""
+
+    tensors: Iterator[tuple[str, torch.Tensor]]
+    layout: Layout
+    version: int
+    use_checksum: bool
+    device: torch.device
+    tamper: Callable[[torch.Tensor], None] | None
+
+
 class IpcLink:
     """What a trainer keeps between IPC refits to the receiver at `address`: its mappings of
     the receiver's last `keep` staging areas. Opening a CUDA IPC mapping of a whole model costs
@@ -144,11 +157,11 @@ def send_ipc(
             "slots": _slots(layout.slots.values()),
         }
         staging = _request(sock, begin, "the start of the refit", address).get("staging")
-        args = (tensors, layout, version, use_checksum, device, tamper)
+        refit = _Refit(tensors, layout, version, use_checksum, device, tamper)
         if staging is not None:
-            headers = _write_direct(link.open(staging).tensor, *args)
+            headers = _write_direct(link.open(staging).tensor, refit)
         else:
-            headers = _send_buffered(sock, address, *args)
+            headers = _send_buffered(sock, address, refit)
         done = {"type": "complete", "version": version, "names": len(layout.slots)}
         _request(sock, done | {"buckets": headers}, "the end of the refit", address)
     except BaseException:
@@ -175,16 +188,9 @@ def _header(bucket: Bucket, version: int, total: int | torch.Tensor | None) -> d
     }
 
 
-def _write_direct(
-    target: torch.Tensor,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    layout: Layout,
-    version: int,
-    use_checksum: bool,
-    device: torch.device,
-    tamper: Callable[[torch.Tensor], None] | None,
-) -> list[dict[str, Any]]:
+def _write_direct(target: torch.Tensor, r: _Refit) -> list[dict[str, Any]]:
     """Pack every bucket into `target`, the receiver's staging bytes; the buckets' headers."""
+    layout = r.layout
     if target.numel() < layout.total:
         raise RefitError(
             f"refit: the receiver's staging holds {target.numel()} bytes, the layout {layout.total}"
@@ -192,31 +198,23 @@ def _write_direct(
     headers = []
     for bucket in layout.buckets:
         region = target[bucket.start : bucket.end]
-        pack(bucket, region, tensors)
+        pack(bucket, region, r.tensors)
         # kept on the device: one synchronization for the whole refit, not one per bucket
-        total = region.view(torch.int64).sum() if use_checksum else None
-        if tamper is not None:
-            tamper(region)
-        headers.append(_header(bucket, version, total))
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the bytes are there before "complete"
+        total = region.view(torch.int64).sum() if r.use_checksum else None
+        if r.tamper is not None:
+            r.tamper(region)
+        headers.append(_header(bucket, r.version, total))
+    if r.device.type == "cuda":  # the bytes are there before "complete"
+        torch.cuda.current_stream(r.device).synchronize()
     for header in headers:
         if header["checksum"] is not None:
             header["checksum"] = int(header["checksum"])
     return headers
 
 
-def _send_buffered(
-    sock: zmq.Socket,
-    address: str,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    layout: Layout,
-    version: int,
-    use_checksum: bool,
-    device: torch.device,
-    tamper: Callable[[torch.Tensor], None] | None,
-) -> list[dict[str, Any]]:
+def _send_buffered(sock: zmq.Socket, address: str, r: _Refit) -> list[dict[str, Any]]:
     """Every bucket through two ping-pong buffers, acked one by one; no headers left to send."""
+    layout, device = r.layout, r.device
     # Two buffers of the largest regular bucket (at most the bucket size); larger tensors get
     # a buffer of their own.
     assert layout.bucket_bytes is not None
@@ -229,9 +227,9 @@ def _send_buffered(
             # this buffer's previous bucket (index - 2) was acked before the last send
             buf = SharedBuffer(bucket.nbytes, device) if own else buffers[bucket.index % 2]
             try:
-                header = _pack(bucket, buf, tensors, version, use_checksum, device)
-                if tamper is not None:
-                    tamper(buf.tensor)
+                header = _pack(bucket, buf, r)
+                if r.tamper is not None:
+                    r.tamper(buf.tensor)
             except BaseException:
                 if own:
                     buf.close()
@@ -280,21 +278,14 @@ def _ack(sock: zmq.Socket, sent: _Pending, peer: str) -> None:
             sent.buffer.close()
 
 
-def _pack(
-    bucket: Bucket,
-    buf: SharedBuffer,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    version: int,
-    use_checksum: bool,
-    device: torch.device,
-) -> dict[str, Any]:
+def _pack(bucket: Bucket, buf: SharedBuffer, r: _Refit) -> dict[str, Any]:
     """Copy the bucket's tensors into `buf` at their layout offsets; its header."""
-    pack(bucket, buf.tensor, tensors)
+    pack(bucket, buf.tensor, r.tensors)
     data = buf.tensor[: bucket.nbytes]
-    total = checksum(data) if use_checksum else None  # syncs the device when computed
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the bytes are there before the header
-    return _header(bucket, version, total) | {"buffer": buf.handle()}
+    total = checksum(data) if r.use_checksum else None  # syncs the device when computed
+    if r.device.type == "cuda":
+        torch.cuda.current_stream(r.device).synchronize()  # the bytes are there before the header
+    return _header(bucket, r.version, total) | {"buffer": buf.handle()}
 
 
 def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
