@@ -105,6 +105,9 @@ class Checkpointer:
         self._pending: _Pending | None = None
         self._arena: HostArena | None = None  # staging memory, reused by every save
         self.last_save_timing: dict[str, float] = {}
+        """The last save's bytes staged and seconds since its call when: the sharded state dicts
+        were built, the host copies issued (a first save allocates their memory), the write
+        planned, the copies done."""
 
     # --- save ------------------------------------------------------------------------------------
 
@@ -174,13 +177,10 @@ class Checkpointer:
         planned_s = time.perf_counter() - start
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the staging copies, which the planning above overlapped
-        self.last_save_timing = {  # seconds since the call: where a save's blocking time goes
-            "state_dicts_s": trees_s,  # the sharded state dicts built
-            "stage_s": staged_s,  # + host copies issued (a first save allocates their memory)
-            "planned_s": planned_s,  # + the write planned
-            "staged_s": time.perf_counter() - start,  # + the copies done
-            "staged_bytes": float(staged),
-        }
+        done_s = time.perf_counter() - start
+        self.last_save_timing = dict(
+            state_dicts_s=trees_s, stage_s=staged_s, planned_s=planned_s, staged_s=done_s
+        ) | {"staged_bytes": float(staged)}
         self._pending = pending
         if async_save:
             pending.thread = threading.Thread(

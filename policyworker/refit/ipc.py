@@ -73,14 +73,24 @@ def _request(sock: zmq.Socket, message: dict[str, Any], what: str, peer: str) ->
     """Send and wait for the answer; a silent or refusing receiver is a `RefitError`."""
     try:
         sock.send_pyobj(message)
+    except zmq.Again:
+        raise _timeout(peer, what) from None
+    return _answer(sock, what, peer)
+
+
+def _answer(sock: zmq.Socket, what: str, peer: str) -> dict[str, Any]:
+    """The receiver's answer to `what`, which must be ok."""
+    try:
         reply = sock.recv_pyobj()
     except zmq.Again:
-        raise RefitError(
-            f"refit: the receiver at {peer} did not answer {what} in time (timeout)"
-        ) from None
+        raise _timeout(peer, what) from None
     if not reply.get("ok"):
         raise RefitError(f"refit: the receiver at {peer} refused {what}: {reply.get('error')}")
     return reply
+
+
+def _timeout(peer: str, what: str) -> RefitError:
+    return RefitError(f"refit: the receiver at {peer} did not answer {what} in time (timeout)")
 
 
 class _Pending:
@@ -263,16 +273,8 @@ def _post(sock: zmq.Socket, header: dict[str, Any], peer: str) -> None:
 
 def _ack(sock: zmq.Socket, sent: _Pending, peer: str) -> None:
     """Wait for the receiver's answer to `sent`; its own buffer (if any) is freed after."""
-    what = f"bucket {sent.header['index']}"
     try:
-        try:
-            reply = sock.recv_pyobj()
-        except zmq.Again:
-            raise RefitError(
-                f"refit: the receiver at {peer} did not answer {what} in time (timeout)"
-            ) from None
-        if not reply.get("ok"):
-            raise RefitError(f"refit: the receiver at {peer} refused {what}: {reply.get('error')}")
+        _answer(sock, f"bucket {sent.header['index']}", peer)
     finally:
         if sent.own:
             sent.buffer.close()
