@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from policyworker.refit.ipc import RefitReport
-from policyworker.refit.layout import Bucket, Layout, RefitError, RefitInfo, checksum, pack
+from policyworker.refit.layout import (
+    Bucket,
+    Layout,
+    RefitError,
+    RefitInfo,
+    checksum_on_device,
+    pack,
+)
 from policyworker.refit.receiver import Staging, dtype_name
 
 
@@ -122,7 +129,7 @@ def broadcast_refit(
         pack(bucket, buf, tensors)
         works = [start_broadcast(group, buf[: bucket.nbytes], f"bucket {bucket.index}")]
         if use_checksum:
-            total = torch.tensor([checksum(buf[: bucket.nbytes])], device=device)
+            total = checksum_on_device(buf[: bucket.nbytes]).reshape(1)  # no host round trip
             works.append(start_broadcast(group, total, f"bucket {bucket.index}'s checksum"))
         if own:  # its buffer is used once: wait here rather than keep it
             for work in works:

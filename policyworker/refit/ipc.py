@@ -29,7 +29,15 @@ import torch
 import zmq
 
 from policyworker.refit.buffers import MappedBuffer, SharedBuffer
-from policyworker.refit.layout import Bucket, Layout, RefitError, Slot, checksum, pack
+from policyworker.refit.layout import (
+    Bucket,
+    Layout,
+    RefitError,
+    Slot,
+    checksum,
+    checksum_on_device,
+    pack,
+)
 from policyworker.refit.receiver import SlotHeader, Staging, dtype_name
 
 
@@ -210,7 +218,7 @@ def _write_direct(target: torch.Tensor, r: _Refit) -> list[dict[str, Any]]:
         region = target[bucket.start : bucket.end]
         pack(bucket, region, r.tensors)
         # kept on the device: one synchronization for the whole refit, not one per bucket
-        total = region.view(torch.int64).sum() if r.use_checksum else None
+        total = checksum_on_device(region) if r.use_checksum else None
         if r.tamper is not None:
             r.tamper(region)
         headers.append(_header(bucket, r.version, total))

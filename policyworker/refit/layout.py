@@ -108,9 +108,14 @@ def pack(bucket: Bucket, buf: torch.Tensor, tensors: Iterator[tuple[str, torch.T
 
 def checksum(data: torch.Tensor) -> int:
     """Sum of the bytes as int64 words (wrapping): one changed byte changes it. `data` is uint8
-    of a multiple of 8 bytes (buckets are 512-byte aligned); computed where `data` lives, in one
-    read and no temporary (an int32 view summed in int64 would first copy it at twice the size)."""
-    return int(data.view(torch.int64).sum())
+    of a multiple of 8 bytes (buckets are 512-byte aligned)."""
+    return int(checksum_on_device(data))
+
+
+def checksum_on_device(data: torch.Tensor) -> torch.Tensor:
+    """`checksum` as a tensor where `data` lives, without waiting for it: in one read and no
+    temporary (an int32 view summed in int64 would first copy it at twice the size)."""
+    return data.view(torch.int64).sum()
 
 
 def check_targets(info: RefitInfo, targets: Mapping[str, torch.Tensor]) -> None:

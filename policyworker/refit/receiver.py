@@ -61,7 +61,7 @@ class Staging:
         self._seen: set[str] = set()
         self._incoming: int | None = None
         self._expected = {  # what each slot header must say, precomputed (checked every refit)
-            n: (list(s.shape), dtype_name(s.dtype), s.offset) for n, s in self.layout.slots.items()
+            n: (s.shape, dtype_name(s.dtype), s.offset) for n, s in self.layout.slots.items()
         }
         self._views: dict[int, dict[str, torch.Tensor]] = {}  # per staging flat, for commit
 
@@ -149,10 +149,10 @@ class Staging:
         expected = self._expected.get(name)
         if expected is None:
             raise RefitError(f"refit info: {name} is not a tensor of this receiver")
-        if [list(shape), dtype, offset] != list(expected):
+        if (tuple(shape), dtype, offset) != expected:
             raise RefitError(
                 f"refit info: {name} sent as {(tuple(shape), dtype)} at byte {offset}, expected "
-                f"{(tuple(expected[0]), expected[1])} at byte {expected[2]}"
+                f"{expected[:2]} at byte {expected[2]}"
             )
 
     def _check_bucket(self, header: Mapping[str, Any]) -> tuple[int, int]:

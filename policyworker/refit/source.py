@@ -58,7 +58,7 @@ class RefitSource:
         self._owners: list[int] = []
         self._reshard: ReshardGroup | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # a destination's, made once
-        self._layouts: dict[int, Layout] = {}  # per bucket size
+        self._layout: Layout | None = None  # the last one cut (the size rarely changes)
         sock = f"policyworker-refit-{os.getpid()}-{dist.get_rank()}.sock"
         self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
@@ -79,9 +79,9 @@ class RefitSource:
         only take part in the TP/PP gathers). Collective over the model-parallel group."""
         info = self.info()
         size = buffer_size_bytes or self.cfg.buffer_size_bytes or self._default_buffer_bytes()
-        if size not in self._layouts:  # cut once per size (Python over every tensor)
-            self._layouts[size] = Layout(info, size)
-        layout = self._layouts[size]
+        if self._layout is None or self._layout.bucket_bytes != size:  # Python over every tensor
+            self._layout = Layout(info, size)
+        layout = self._layout
         tensors = model_tensors(
             self._params(), self.shape, self.groups, info, self._owners, self.device
         )
