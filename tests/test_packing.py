@@ -10,7 +10,13 @@ from helpers import hf_logprobs, make_batch
 
 from policyworker.config import DynamicBatchingConfig, OptimizerConfig, SequencePackingConfig
 from policyworker.data.microbatch import Packed, TokenBudget
-from policyworker.data.packing import PACKERS, PackedLayout, concatenative, sorted_cuts
+from policyworker.data.packing import (
+    PACKERS,
+    PackedLayout,
+    concatenative,
+    packed_positions,
+    sorted_cuts,
+)
 from policyworker.losses import ClippedPGConfig, ClippedPGLoss, DPOLoss, NLLLoss
 
 # --- the packers ---------------------------------------------------------------------------------
@@ -66,6 +72,11 @@ def test_packed_layout_round_trip():
     params = layout.seq_params(torch.device("cpu"))
     assert params.cu_seqlens_q.tolist() == [0, 3, 8, 9]
     assert params.cu_seqlens_q_padded.tolist() == [0, 4, 12, 16] and params.max_seqlen_q == 8
+
+
+def test_packed_positions_restart_at_every_boundary():
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)  # an empty sequence; 2 tokens after the end
+    assert packed_positions(cu, 9).tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1]
 
 
 # --- the worker: packed and budgeted equal fixed-size ---------------------------------------------

@@ -129,11 +129,21 @@ def sorted_cuts(lengths: list[int], capacity: int) -> Bins:
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """[total] position of each packed token within its sequence (0 at every boundary, also at
-    the last one for any tokens after it)."""
+    the last one for any tokens after it). No host sync: each token's sequence start is the
+    running maximum of the boundaries marked at their offsets."""
     cu = cu_seqlens.to(torch.long)
-    lengths = torch.diff(cu, append=cu.new_tensor([total]))  # the tail counts as one more span
-    starts = torch.repeat_interleave(cu, lengths, output_size=total)
+    marks = torch.zeros(total + 1, dtype=torch.long, device=cu.device)
+    marks.scatter_(0, cu.clamp(max=total), cu)  # equal offsets carry equal values
+    starts = torch.cummax(marks[:total], dim=0).values
     return torch.arange(total, device=cu.device) - starts
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without stalling the host: on CUDA a pinned,
+    asynchronous copy (a pageable copy waits for the stream, and with it every queued kernel)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -167,16 +177,18 @@ class PackedLayout:
 
     def positions(self, device: torch.device) -> torch.Tensor:
         """[1, T] position ids, restarting at 0 for every sequence (RoPE per sequence)."""
-        cu = torch.tensor([*self.starts, self.total], device=device)
-        return packed_positions(cu, self.total)[None, :]
+        cu = torch.tensor([*self.starts, self.total])
+        return to_device(packed_positions(cu, self.total)[None, :], device)
 
     def seq_params(self, device: torch.device) -> PackedSeqParams:
         """megatron's THD metadata: cu_seqlens of the true and of the padded lengths."""
 
         def cumulative(sizes: tuple[int, ...]) -> torch.Tensor:
-            return torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32)
+            return to_device(
+                torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32), device
+            )
 
-        cu, cu_padded = cumulative(self.lengths).to(device), cumulative(self.padded).to(device)
+        cu, cu_padded = cumulative(self.lengths), cumulative(self.padded)
         longest = max(self.padded)
         return PackedSeqParams(
             qkv_format="thd",
@@ -188,25 +200,27 @@ class PackedLayout:
             max_seqlen_kv=longest,
         )
 
-    def _index(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(packed position of each row slot [n, width], whether the slot holds a token)."""
-        pos = torch.arange(width, device=device)
-        lengths = torch.tensor(self.lengths, device=device)[:, None]
-        starts = torch.tensor(self.starts, device=device)[:, None]
-        valid = pos[None, :] < lengths
-        return torch.where(valid, starts + pos[None, :], 0), valid
+    def _tokens(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host indices of every real token: (its slot in the flattened [n, width] rows, its
+        packed position)."""
+        rows = [torch.arange(n) + j * width for j, n in enumerate(self.lengths)]
+        packed = [torch.arange(n) + s for n, s in zip(self.lengths, self.starts, strict=True)]
+        return torch.cat(rows), torch.cat(packed)
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, S, *rest] (row j valid up to lengths[j]) -> [1, T, *rest], zeros in the padding."""
-        index, valid = self._index(rows.shape[1], rows.device)
+        src, dst = (to_device(t, rows.device) for t in self._tokens(rows.shape[1]))
         out = rows.new_zeros((self.total, *rows.shape[2:]))
-        out[index[valid]] = rows[valid]
+        out[dst] = rows.flatten(0, 1)[src]
         return out[None]
 
     def unpack(self, packed: torch.Tensor, width: int) -> torch.Tensor:
         """[1, T, *rest] -> [n, width, *rest]: row j's first lengths[j] positions, zeros after.
         Differentiable (a gather; its gradient scatters back)."""
-        index, valid = self._index(width, packed.device)
+        pos = torch.arange(width)[None, :]
+        valid = pos < torch.tensor(self.lengths)[:, None]
+        index = torch.where(valid, torch.tensor(self.starts)[:, None] + pos, 0)
+        index, valid = to_device(index, packed.device), to_device(valid, packed.device)
         out = packed[0][index]  # [n, width, *rest]
         mask = valid.reshape(*valid.shape, *([1] * (out.dim() - 2)))
         return torch.where(mask, out, torch.zeros_like(out))

@@ -176,10 +176,8 @@ def _varlen_cuda(
 ) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:  # the flash varlen entry point wants equal head counts
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    # Flash takes grouped keys/values as they are (heads divide); repeating them would cost a
+    # device sync per call (repeat_interleave sizes its output on the host) and the memory.
     max_q = (
         int(params.max_seqlen_q)
         if params.max_seqlen_q is not None

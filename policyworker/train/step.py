@@ -175,7 +175,8 @@ def forward_collect(
         out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
         for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
             part = st[key].cpu()
-            out[mb.rows, : part.shape[1]] = part
-        out[~valid] = 0
+            for i, row in enumerate(mb.rows):  # row copies: CPU advanced indexing is slow here
+                out[row, : part.shape[1]] = part[i]
+        out.masked_fill_(~valid.reshape(b, s, *[1] * len(trailing)), 0)
         result.append(broadcast_from_last_stage(out, groups, device=device))
     return result
