@@ -217,10 +217,7 @@ class PackedLayout:
     def unpack(self, packed: torch.Tensor, width: int) -> torch.Tensor:
         """[1, T, *rest] -> [n, width, *rest]: row j's first lengths[j] positions, zeros after.
         Differentiable (a gather; its gradient scatters back)."""
-        pos = torch.arange(width)[None, :]
-        valid = pos < torch.tensor(self.lengths)[:, None]
-        index = torch.where(valid, torch.tensor(self.starts)[:, None] + pos, 0)
-        index, valid = to_device(index, packed.device), to_device(valid, packed.device)
-        out = packed[0][index]  # [n, width, *rest]
-        mask = valid.reshape(*valid.shape, *([1] * (out.dim() - 2)))
-        return torch.where(mask, out, torch.zeros_like(out))
+        src, dst = (to_device(t, packed.device) for t in self._tokens(width))
+        out = packed.new_zeros((len(self.lengths) * width, *packed.shape[2:]))
+        out[src] = packed[0][dst]
+        return out.unflatten(0, (len(self.lengths), width))
