@@ -200,16 +200,16 @@ class PackedLayout:
             max_seqlen_kv=longest,
         )
 
-    def _tokens(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host indices of every real token: (its slot in the flattened [n, width] rows, its
-        packed position)."""
+    def _tokens(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indices of every real token, built on the host: (its slot in the flattened [n, width]
+        rows, its packed position)."""
         rows = [torch.arange(n) + j * width for j, n in enumerate(self.lengths)]
         packed = [torch.arange(n) + s for n, s in zip(self.lengths, self.starts, strict=True)]
-        return torch.cat(rows), torch.cat(packed)
+        return to_device(torch.cat(rows), device), to_device(torch.cat(packed), device)
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """[n, S, *rest] (row j valid up to lengths[j]) -> [1, T, *rest], zeros in the padding."""
-        src, dst = (to_device(t, rows.device) for t in self._tokens(rows.shape[1]))
+        src, dst = self._tokens(rows.shape[1], rows.device)
         out = rows.new_zeros((self.total, *rows.shape[2:]))
         out[dst] = rows.flatten(0, 1)[src]
         return out[None]
@@ -217,7 +217,7 @@ class PackedLayout:
     def unpack(self, packed: torch.Tensor, width: int) -> torch.Tensor:
         """[1, T, *rest] -> [n, width, *rest]: row j's first lengths[j] positions, zeros after.
         Differentiable (a gather; its gradient scatters back)."""
-        src, dst = (to_device(t, packed.device) for t in self._tokens(width))
+        src, dst = self._tokens(width, packed.device)
         out = packed.new_zeros((len(self.lengths) * width, *packed.shape[2:]))
         out[src] = packed[0][dst]
         return out.unflatten(0, (len(self.lengths), width))

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from policyworker.data.packing import to_device
+
 
 @functools.lru_cache(maxsize=64)
 def _indices(padded: tuple[int, ...], rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,16 +76,16 @@ class ContextSplit:
     """Padded length of each packed sequence (each a multiple of 2 * size)."""
 
     def local(self, device: torch.device) -> torch.Tensor:
-        return _indices(self.padded, self.rank, self.size)[0].to(device)
+        return to_device(_indices(self.padded, self.rank, self.size)[0], device)
 
     def _order(self, device: torch.device) -> torch.Tensor:
-        return _indices(self.padded, self.rank, self.size)[1].to(device)
+        return to_device(_indices(self.padded, self.rank, self.size)[1], device)
 
     def seq_params(self, whole: PackedSeqParams, device: torch.device) -> PackedSeqParams:
         """THD metadata for attention: queries are this rank's tokens (`cu_seqlens_q*`, T / CP),
         keys and values the whole sequences after the all-gather (`cu_seqlens_kv*`, T)."""
         local = torch.tensor([p // self.size for p in self.padded]).cumsum(0).tolist()
-        cu_q = torch.tensor([0, *local], dtype=torch.int32, device=device)
+        cu_q = to_device(torch.tensor([0, *local], dtype=torch.int32), device)
         return PackedSeqParams(
             qkv_format="thd",
             cu_seqlens_q=cu_q,
