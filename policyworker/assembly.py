@@ -115,6 +115,8 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
         shape=w.shape,
         hf_config=w.hf_config,
         precision=w.cfg.precision,
+        optimizer_config=w.cfg.optimizer,
+        scheduler_config=w.cfg.scheduler,
     )
     ckpt = w.cfg.checkpoint
     checkpoints = Checkpointer(

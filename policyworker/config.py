@@ -9,6 +9,7 @@ Invalid values raise `ValueError` naming the field (dotted path) and what was ex
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ import yaml
 def _check(ok: bool, name: str, expected: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def finite(value: Any) -> bool:
+    """A real number (not a bool) that is neither inf nor NaN."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,16 +48,18 @@ class OptimizerConfig:
     DistributedOptimizer: gradients reduce-scattered, parameters all-gathered after the step)."""
 
     def validate(self, prefix: str = "optimizer") -> None:
-        _check(self.lr > 0, f"{prefix}.lr", "> 0", self.lr)
-        _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", "in [0, lr]", self.min_lr)
+        _check(finite(self.lr) and self.lr > 0, f"{prefix}.lr", "a finite number > 0", self.lr)
+        ok = finite(self.min_lr) and 0 <= self.min_lr <= self.lr
+        _check(ok, f"{prefix}.min_lr", "in [0, lr]", self.min_lr)
         _check(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            len(self.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in self.betas),
             f"{prefix}.betas",
             "two values in [0, 1)",
             self.betas,
         )
-        _check(self.eps > 0, f"{prefix}.eps", "> 0", self.eps)
-        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", ">= 0", self.weight_decay)
+        _check(finite(self.eps) and self.eps > 0, f"{prefix}.eps", "a finite number > 0", self.eps)
+        wd = self.weight_decay
+        _check(finite(wd) and wd >= 0, f"{prefix}.weight_decay", "a finite number >= 0", wd)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,7 +180,8 @@ class RefitConfig:
     the refit itself is one pass); turn it on to catch corrupted transfers."""
 
     def validate(self, prefix: str = "refit") -> None:
-        _check(self.timeout_s > 0, f"{prefix}.timeout_s", "> 0", self.timeout_s)
+        t = self.timeout_s
+        _check(finite(t) and t > 0, f"{prefix}.timeout_s", "a finite number > 0", t)
         ok = isinstance(self.buffer_size_bytes, int) and self.buffer_size_bytes >= 0
         _check(ok, f"{prefix}.buffer_size_bytes", "an int >= 0", self.buffer_size_bytes)
 
@@ -260,8 +269,11 @@ class PolicyConfig:
             f"a multiple of train_micro_batch_size={self.train_micro_batch_size}",
             self.train_global_batch_size,
         )
-        _check(self.temperature > 0, "temperature", "> 0", self.temperature)
-        _check(self.max_grad_norm >= 0, "max_grad_norm", ">= 0", self.max_grad_norm)
+        t, g = self.temperature, self.max_grad_norm
+        _check(finite(t) and t > 0, "temperature", "a finite number > 0", t)
+        _check(finite(g) and g >= 0, "max_grad_norm", "a finite number >= 0", g)
+        ok = isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        _check(ok and 0 <= self.seed < 2**63, "seed", "an int in [0, 2**63)", self.seed)
         self.optimizer.validate()
         self.scheduler.validate()
         self.parallel.validate()

@@ -11,8 +11,10 @@ before any state changes, so a bad call leaves the worker as it was.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,11 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from policyworker.assembly import Parts, build_services, build_state
-from policyworker.checkpoint.checkpointer import check_save_paths, initial_weights
+from policyworker.checkpoint.commit import CheckpointError
 from policyworker.checkpoint.hf import save_hf_folder
+from policyworker.checkpoint.paths import check_save_paths, initial_weights
 from policyworker.compat import apply_cpu_patches
-from policyworker.config import PolicyConfig
+from policyworker.config import PolicyConfig, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import Microbatch, build_plan
@@ -36,7 +39,7 @@ from policyworker.memory.telemetry import log_memory, memory_stats
 from policyworker.model.build import global_named_parameters
 from policyworker.model.hf_config import check_sliding_window, load_hf_config, model_shape
 from policyworker.model.reference import ReferenceWeights
-from policyworker.model.weights import export_hf_weights
+from policyworker.model.weights import check_hf_folder, export_hf_weights
 from policyworker.ops.logprobs import topk_logits
 from policyworker.parallel.dims import check_layout, setup_parallel
 from policyworker.refit.ipc import RefitReport
@@ -66,6 +69,27 @@ _TRAIN_STATE = ("params", "grads", "optimizer")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+_LIVE: weakref.WeakSet[MegatronPolicyWorker] = weakref.WeakSet()
+
+
+def _at_exit(worker: MegatronPolicyWorker) -> None:
+    """Shut `worker` down at interpreter exit unless it was before (a script that just ends
+    still commits its pending async save, and joins its writer thread while the interpreter
+    can still run it). Registered after `setup_parallel`'s hook, so it runs before it."""
+    if not _LIVE_HOOK:
+        atexit.register(_shutdown_live)
+        _LIVE_HOOK.append(True)
+    _LIVE.add(worker)
+
+
+_LIVE_HOOK: list[bool] = []
+
+
+def _shutdown_live() -> None:
+    for worker in list(_LIVE):
+        worker.shutdown()
+
+
 class MegatronPolicyWorker:
     """One rank's policy: logprobs, top-k, training and HF export on a megatron-core GPTModel."""
 
@@ -91,6 +115,9 @@ class MegatronPolicyWorker:
         self.shape = model_shape(self.hf_config)
         check_sliding_window(self.hf_config, config.max_total_sequence_length)
         check_layout(config.parallel, self.shape)
+        if hf_weights is not None:
+            field = "model_name" if hf_weights == config.model_name else "weights_path"
+            check_hf_folder(hf_weights, self.hf_config, self.shape, field=field)
 
         apply_cpu_patches()
         self.dims, self.groups = setup_parallel(config.parallel)
@@ -124,6 +151,23 @@ class MegatronPolicyWorker:
             self.load_checkpoint(checkpoint, optimizer_path)
         if init_reference_model and self.state.reference is None:  # no HF weights: the checkpoint's
             self.state.reference = ReferenceWeights(global_named_parameters(self.state.model))
+        self._shut = False
+        _at_exit(self)
+
+    def shutdown(self) -> None:
+        """Finish what this worker has pending and release what it holds: a pending async save
+        is committed (if that fails, its temporary files are removed and a warning names it),
+        the refit endpoint's files removed. Collective (the save's commit). Idempotent; runs at
+        interpreter exit for every worker not shut down. The process groups, shared by every
+        worker of the process, are destroyed at interpreter exit (`parallel.dims`)."""
+        if self._shut:
+            return
+        self._shut = True
+        try:
+            self.checkpoints.finalize()
+        except Exception as e:
+            log.warning("shutdown: the pending async save was not committed: %s", e)
+        self.refit.close()
 
     @staticmethod
     def configure_worker(
@@ -218,7 +262,7 @@ class MegatronPolicyWorker:
         `eval_mode=True` computes the same loss and touches no weight, optimizer or scheduler state.
         Each global batch runs as a split step (begin, one chunk, finish): one implementation.
         """
-        self._require_no_open_step("train")
+        self._require_training_state("train")
         self.memory.require("train", *(("params",) if eval_mode else _TRAIN_STATE))
         gbs, mbs = self._step_sizes(gbs, mbs)
         b = self._validate(data, loss_fn.required_keys)
@@ -248,7 +292,7 @@ class MegatronPolicyWorker:
     ) -> None:
         """Open a step (the gradients are zero). `train_microbatch` then adds chunks of this rank's
         share of the global batch (`gbs / dp` rows in all); `finish_train_step` applies it."""
-        self._require_no_open_step("begin_train_step")
+        self._require_training_state("begin_train_step")
         self.memory.require("begin_train_step", *_TRAIN_STATE)
         gbs, mbs = self._step_sizes(gbs, mbs)
         local_gbs = check_batch_sizes(
@@ -296,8 +340,8 @@ class MegatronPolicyWorker:
         """Restart the schedule at a new peak lr (e.g. SFT warm-up, then RL at a smaller lr)."""
         if self.state.scheduler is None:
             raise ValueError("init_optimizer=False: this worker has no optimizer")
-        if not lr > 0:
-            raise ValueError(f"lr: expected > 0, got {lr!r}")
+        if not (finite(lr) and lr > 0):
+            raise ValueError(f"lr: expected a finite number > 0, got {lr!r}")
         self.state.scheduler.max_lr = lr
         for group in self.state.optimizer.param_groups:
             group["max_lr"] = group["lr"] = lr
@@ -457,8 +501,13 @@ class MegatronPolicyWorker:
         save) commits it. Each directory appears, complete, only when committed."""
         self._require_no_open_step("save_checkpoint", needs_optimizer=False)
         paths = check_save_paths(
-            weights_path, optimizer_path, has_optimizer=self.state.optimizer is not None
+            weights_path,
+            optimizer_path,
+            has_optimizer=self.state.optimizer is not None,
+            pending=self.checkpoints.pending_targets,
         )
+        if paths[1] is not None:
+            self._require_training_state("save_checkpoint")
         self.memory.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
         self.checkpoints.save(
             *paths,
@@ -544,6 +593,13 @@ class MegatronPolicyWorker:
         if self._step is not None:
             raise ValueError(
                 f"{call}: a train step is open; finish_train_step() or abort_train_step() first"
+            )
+
+    def _require_training_state(self, call: str) -> None:
+        self._require_no_open_step(call)
+        if self.checkpoints.damaged is not None:
+            raise CheckpointError(
+                f"{call}: {self.checkpoints.damaged}; load a checkpoint with its optimizer_path first"
             )
 
     def _require_open_step(self, call: str) -> OpenStep:

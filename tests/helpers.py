@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -106,3 +107,10 @@ def hf_logprobs(
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     out = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
     return (out * mask).cpu()
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment for a child that starts its own torch.distributed (torchrun
+    or a single process): no rank variables of ours, one OpenMP thread."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}

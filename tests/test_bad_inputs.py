@@ -5,8 +5,8 @@ import torch
 from conftest import make_worker
 from helpers import make_batch, make_hf_model
 
-from policyworker.config import ParallelConfig, PolicyConfig
-from policyworker.losses import ClippedPGLoss, NLLLoss
+from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig, RefitConfig
+from policyworker.losses import ClippedPGLoss, DistillationLoss, NLLLoss
 from policyworker.model.hf_config import UnsupportedModelError
 
 
@@ -22,6 +22,18 @@ def _set(key, value):
         d[key] = value(d) if callable(value) else value
 
     return f
+
+
+def _set_at(key, value):
+    def f(d):
+        d[key] = d[key].clone()
+        d[key][1, 5] = value
+
+    return f
+
+
+def _nan_at(key):
+    return _set_at(key, float("nan"))
 
 
 BAD_BATCHES = {
@@ -43,6 +55,19 @@ BAD_BATCHES = {
     "sample_mask wrong shape": (_set("sample_mask", torch.ones(4, 1)), "sample_mask"),
     "advantages NaN": (_set("advantages", lambda d: d["advantages"] * float("nan")), "advantages"),
     "int logprobs": (_set("prev_logprobs", lambda d: d["prev_logprobs"].long()), "prev_logprobs"),
+    "uint8 input_ids": (_set("input_ids", lambda d: d["input_ids"].to(torch.uint8)), "input_ids"),
+    "int16 lengths": (
+        _set("input_lengths", lambda d: d["input_lengths"].to(torch.int16)),
+        "input_lengths",
+    ),
+    "negative sample_mask": (_set("sample_mask", torch.tensor([1.0, -1, 1, 1])), "sample_mask"),
+    "token_mask above 1": (_set("token_mask", lambda d: d["token_mask"] * 2), "token_mask"),
+    "prev_logprobs NaN": (_nan_at("prev_logprobs"), "prev_logprobs"),
+    "prev_logprobs -inf": (_set_at("prev_logprobs", float("-inf")), "prev_logprobs"),
+    "generation_logprobs NaN": (_nan_at("generation_logprobs"), "generation_logprobs"),
+    "generation_logprobs +inf": (_set_at("generation_logprobs", float("inf")), "generation"),
+    "reference NaN": (_nan_at("reference_policy_logprobs"), "reference_policy_logprobs"),
+    "advantages inf": (_set_at("advantages", float("inf")), "advantages"),
     "not a dict": (None, "BatchedDataDict"),
 }
 
@@ -59,6 +84,14 @@ TRAIN_ONLY = {
     "sample_mask wrong shape",
     "advantages NaN",
     "int logprobs",
+    "negative sample_mask",
+    "token_mask above 1",
+    "prev_logprobs NaN",
+    "prev_logprobs -inf",
+    "generation_logprobs NaN",
+    "generation_logprobs +inf",
+    "reference NaN",
+    "advantages inf",
 }
 CALLS = [("train", c) for c in sorted(BAD_BATCHES)] + [
     ("get_logprobs", c) for c in sorted(BAD_BATCHES) if c not in TRAIN_ONLY
@@ -108,6 +141,18 @@ def test_bad_call_arguments(worker):
         worker.get_topk_logits(data=data, k=10_000)
     with pytest.raises(ValueError, match="micro_batch_size"):
         worker.get_logprobs(data=data, micro_batch_size=-1)
+    lr = worker.state.optimizer.param_groups[0]["lr"]
+    for bad in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="lr"):
+            worker.set_learning_rate(bad)
+    assert worker.state.optimizer.param_groups[0]["lr"] == lr
+    with pytest.raises(ValueError, match="refit_timeout_s"):
+        worker.stream_weights_via_ipc_zmq(refit_timeout_s=float("inf"))
+    empty = make_batch(batch=4, seq=12)
+    empty["teacher_topk_logits"] = empty["teacher_topk_logits"][..., :0]
+    empty["teacher_topk_indices"] = empty["teacher_topk_indices"][..., :0]
+    with pytest.raises(ValueError, match="teacher_topk_logits"):
+        worker.train(empty, DistillationLoss())
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):
@@ -149,6 +194,16 @@ def test_sliding_window_shorter_than_sequences_is_refused(tmp_path):
         ({"temperature": 0.0}, "temperature"),
         ({"logprob_batch_size": 0}, "logprob_batch_size"),
         ({"max_grad_norm": -1.0}, "max_grad_norm"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"max_grad_norm": float("inf")}, "max_grad_norm"),
+        ({"seed": 10**23}, "seed"),
+        ({"optimizer": OptimizerConfig(lr=float("inf"))}, "optimizer.lr"),
+        ({"optimizer": OptimizerConfig(lr=float("nan"))}, "optimizer.lr"),
+        ({"optimizer": OptimizerConfig(eps=float("inf"))}, "optimizer.eps"),
+        ({"optimizer": OptimizerConfig(weight_decay=float("nan"))}, "optimizer.weight_decay"),
+        ({"optimizer": OptimizerConfig(betas=(0.9, float("nan")))}, "optimizer.betas"),
+        ({"refit": RefitConfig(timeout_s=float("inf"))}, "refit.timeout_s"),
     ],
 )
 def test_bad_config_values(kwargs, field):

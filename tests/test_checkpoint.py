@@ -14,10 +14,11 @@ import pytest
 import torch
 from ckpt_multirank import paths, run_resume, run_save
 from conftest import make_worker
-from helpers import hf_logprobs, make_batch, make_hf_model
+from helpers import clean_env, hf_logprobs, make_batch, make_hf_model
 from multirank import config
 
 from policyworker.checkpoint.commit import CheckpointError
+from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.losses import NLLLoss
 from policyworker.worker import MegatronPolicyWorker
 
@@ -33,15 +34,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_model(folder, "qwen2", vocab_size=101, tie_word_embeddings=True)
 
 
-def _clean_env() -> dict[str, str]:
-    drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
-
-
 def torchrun(*args: object) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(HERE / "ckpt_multirank.py"), *map(str, args)]
-    proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -154,6 +150,10 @@ def test_save_argument_errors(saved, model_dir, tmp_path):
         worker.save_checkpoint(saved[0])
     with pytest.raises(ValueError, match="apart from weights_path"):
         worker.save_checkpoint(tmp_path / "w", tmp_path / "w")
+    with pytest.raises(ValueError, match="inside the checkpoint directory"):
+        worker.save_checkpoint(tmp_path / "w", saved[0] / "optim")
+    with pytest.raises(ValueError, match="inside the checkpoint directory"):
+        worker.save_checkpoint(saved[1] / "nested" / "w")
     no_opt = MegatronPolicyWorker(
         config(str(model_dir), tp=1, pp=1), init_optimizer=False, init_reference_model=False
     )
@@ -171,7 +171,7 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint(model_dir, tmp_path
     cmd = [sys.executable, str(script), str(model_dir), str(tmp_path), point, mode]
     log = tmp_path / "log.txt"
     with open(log, "w") as f:  # a file, not a pipe: dist-checkpointing's helper process outlives it
-        proc = subprocess.Popen(cmd, env=_clean_env(), stdout=f, stderr=f, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=clean_env(), stdout=f, stderr=f, start_new_session=True)
         try:
             code = proc.wait(timeout=300)
         finally:
@@ -234,3 +234,79 @@ def test_integrity_digests_per_chunk_and_names_the_corrupt_file(tmp_path, monkey
     (tmp_path / "a.distcp").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"weights_path: .* a\.distcp$"):
         integrity.verify(tmp_path, recorded, "weights_path")
+
+
+def _optimizer_tensors(worker: MegatronPolicyWorker) -> list[torch.Tensor]:
+    from policyworker.train.optimizer import optimizer_tensors
+
+    return [t.detach().clone() for t in optimizer_tensors(worker.state.optimizer)]
+
+
+def test_loads_that_cannot_complete_are_refused_before_anything_changes(model_dir, tmp_path):
+    """Another optimizer kind, another precision, the training-state directory as weights, a
+    forged manifest over the wrong files: each a `CheckpointError` (a ValueError) naming what
+    differs, with weights, optimizer state and schedule as they were."""
+    data = make_batch()
+    dist = make_worker(
+        model_dir, optimizer=OptimizerConfig(lr=1e-2, use_distributed_optimizer=True)
+    )
+    dist.train(data, NLLLoss())
+    dist.save_checkpoint(tmp_path / "d" / "weights", tmp_path / "d" / "optim")
+    plain = make_worker(model_dir, optimizer=OptimizerConfig(lr=1e-2))
+    plain.train(data, NLLLoss())
+    plain.save_checkpoint(tmp_path / "p" / "weights", tmp_path / "p" / "optim")
+    forged = _copy(tmp_path / "p" / "optim", tmp_path / "forged")
+    manifest = json.loads((forged / "policyworker.json").read_text())
+    (forged / "policyworker.json").write_text(json.dumps({**manifest, "kind": "weights"}))
+    bf16 = make_worker(model_dir, precision="bfloat16", optimizer=OptimizerConfig(lr=1e-2))
+    cases = [
+        (plain, (tmp_path / "d" / "weights", tmp_path / "d" / "optim"), "distributed optimizer"),
+        (plain, (tmp_path / "p" / "optim",), "'training_state' directory"),
+        (plain, (forged,), "does not load"),
+        (bf16, (tmp_path / "p" / "weights", tmp_path / "p" / "optim"), "float32 worker"),
+    ]
+    for worker, args, message in cases:
+        before, opt_before = _params(worker), _optimizer_tensors(worker)
+        steps = worker.state.scheduler.num_steps
+        with pytest.raises(CheckpointError, match=message):
+            worker.load_checkpoint(*args)
+        after, opt_after = _params(worker), _optimizer_tensors(worker)
+        assert all(torch.equal(before[n], after[n]) for n in before), message
+        assert all(torch.equal(a, b) for a, b in zip(opt_before, opt_after, strict=True))
+        assert worker.state.scheduler.num_steps == steps
+    bf16.load_checkpoint(tmp_path / "p" / "weights")  # fp32 weights alone do load into bf16
+    plain.train(data, NLLLoss())  # and the refused loads left the worker usable
+
+
+def test_a_load_restores_the_schedule_whatever_the_worker_did(model_dir, tmp_path, caplog):
+    """Into a fresh worker, and into one that trained three steps and changed its lr: the same
+    next lr, loss and weights. The checkpoint's settings win over the config's, and say so."""
+    data = make_batch()
+    opt = OptimizerConfig(lr=1e-2, min_lr=1e-3)
+    sched = SchedulerConfig(warmup_steps=3, decay_steps=8, style="cosine")
+    saver = make_worker(model_dir, optimizer=opt, scheduler=sched)
+    saver.train(data, NLLLoss())
+    saver.save_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    fresh = make_worker(model_dir, optimizer=opt, scheduler=sched)
+    trained = make_worker(model_dir, optimizer=opt, scheduler=sched)
+    for _ in range(3):
+        trained.train(data, NLLLoss())
+    trained.set_learning_rate(5e-2)
+    results = []
+    for worker in (fresh, trained):
+        worker.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
+        assert worker.state.scheduler.num_steps == 1
+        results.append((worker.train(data, NLLLoss()), _params(worker)))
+    (m1, p1), (m2, p2) = results
+    assert (m1["lr"], m1["loss"], m1["grad_norm"]) == (m2["lr"], m2["loss"], m2["grad_norm"])
+    assert all(torch.equal(p1[n], p2[n]) for n in p1)
+    assert fresh.state.scheduler.num_steps == trained.state.scheduler.num_steps == 2
+
+    other = OptimizerConfig(lr=2e-2, min_lr=1e-3, betas=(0.8, 0.99), eps=1e-6)
+    worker = make_worker(model_dir, optimizer=other, scheduler=sched)
+    with caplog.at_level("WARNING", logger="policyworker.checkpoint.checkpointer"):
+        worker.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    assert "lr: 0.02 -> 0.01" in caplog.text and "betas: (0.8, 0.99) -> (0.9, 0.999)" in caplog.text
+    group = worker.state.optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.999) and group["eps"] == 1e-8 and group["max_lr"] == 1e-2
+    assert worker.train(data, NLLLoss())["lr"] == m1["lr"]

@@ -126,3 +126,106 @@ def test_demo_through_two_workers_matches_one(tmp_path, backend):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert all(r["weight_version"] >= 1 for r in two[3:])
+
+
+SMALL = ["sft_steps=4", "grpo_steps=3", "prompts_per_step=4", "group_size=4"]
+SMALL += ["micro_batch_size=8", "sft_batch=16"]
+
+
+def _exits_2(argv: list[str], capsys) -> str:
+    capsys.readouterr()  # what came before
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "sequence_packing.train_mb_tokens=0",
+        "seed=1e23",
+        "sft_lr=inf",
+        "grpo_lr=inf",
+        "temperature=nan",
+    ],
+)
+def test_bad_options_exit_2_before_any_work(tmp_path, capsys, override):
+    out = tmp_path / "run"
+    err = _exits_2(["demo", "--out", str(out), override], capsys)
+    assert override.split("=")[0].split(".")[0] in err
+    assert not out.exists()
+
+
+def test_bad_user_inputs_exit_2_before_any_work(tmp_path, capsys):
+    """A truncated weights file, a config.json that does not fit the weights, a null prompt."""
+    import shutil
+
+    from policyworker.demo.grpo import tiny_llama
+    from policyworker.demo.task import char_tokenizer
+
+    tok = char_tokenizer()
+    good = tiny_llama(tmp_path / "good", len(tok), seed=3)
+    tok.save_pretrained(good)
+    data = tmp_path / "tasks.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    truncated = Path(shutil.copytree(good, tmp_path / "truncated"))
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    mismatched = Path(shutil.copytree(good, tmp_path / "mismatched"))
+    cfg = json.loads((mismatched / "config.json").read_text())
+    (mismatched / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
+    nulls = tmp_path / "nulls.jsonl"
+    nulls.write_text(json.dumps({"prompt": None, "answer": "2"}) + "\n")
+    out = tmp_path / "run"
+    for model, rows, expected in (
+        (truncated, data, "truncated"),
+        (mismatched, data, "mlp.gate_proj.weight has shape"),
+        (good, nulls, "nulls.jsonl:1"),
+    ):
+        err = _exits_2(
+            ["demo", "--model", str(model), "--data", str(rows), "--out", str(out)], capsys
+        )
+        assert expected in err
+        assert not out.exists()
+
+
+def test_a_rerun_after_a_crash_continues_and_destroys_nothing(tmp_path, capsys):
+    """A run killed between a checkpoint's commit and its loop.json: the same command again
+    continues from the last complete step, replaces the incomplete one and ends with the rows
+    of an uninterrupted run. A --resume older than the --out's latest step, a corrupt
+    loop.json, another model's step folder: exit 2, nothing written."""
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    command = ["demo", "--save-every", "2", *SMALL]
+    main([*command, "--out", str(full)])
+    import shutil
+
+    shutil.copytree(full, crashed)
+    shutil.rmtree(crashed / "checkpoints" / "step_6")
+    (crashed / "checkpoints" / "step_4" / "loop.json").unlink()  # killed before it was written
+    metrics = crashed / "metrics.jsonl"
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:5]))
+    main([*command, "--out", str(crashed)])
+    assert _demo_rows(crashed) == _demo_rows(full)
+    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == [
+        "step_2",
+        "step_4",
+        "step_6",
+    ]
+
+    before = (full / "metrics.jsonl").read_text()
+    step_2 = full / "checkpoints" / "step_2"
+    err = _exits_2([*command, "--out", str(full), "--resume", str(step_2)], capsys)
+    assert "later complete steps [4, 6]" in err
+    corrupt = Path(shutil.copytree(step_2, tmp_path / "corrupt"))
+    (corrupt / "loop.json").write_text("{not json")
+    err = _exits_2([*command, "--out", str(tmp_path / "new"), "--resume", str(corrupt)], capsys)
+    assert "loop.json does not parse" in err
+    foreign = Path(shutil.copytree(step_2, tmp_path / "foreign"))  # another model's step
+    manifest = json.loads((foreign / "weights" / "policyworker.json").read_text())
+    manifest["model"]["hidden_size"] = 256
+    (foreign / "weights" / "policyworker.json").write_text(json.dumps(manifest))
+    err = _exits_2([*command, "--out", str(tmp_path / "new"), "--resume", str(foreign)], capsys)
+    assert "hidden_size=256" in err
+    assert (full / "metrics.jsonl").read_text() == before and not (tmp_path / "new").exists()

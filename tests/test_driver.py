@@ -9,7 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from driver_faults import FailingLoss
+from driver_faults import DriverOnlyLoss, FailingLoss, interrupt
 from helpers import make_batch, make_hf_model
 
 from policyworker import Policy, WorkerError
@@ -234,3 +234,61 @@ def test_ray_group_joins_a_running_cluster_and_leaves_it_running(model_dir, tmp_
         assert status.returncode == 0  # the cluster is still up
     finally:
         subprocess.run([*ray, "stop", "--force"], capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_no_call_ever_takes_another_calls_answer(backend, model_dir, monkeypatch):
+    """The driver left a call early (Ctrl-C after sending, a worker that cannot unpickle the
+    arguments): the next call gets its own answer. Interrupted while sending: the group is
+    broken, and says so."""
+    a = make_batch(batch=8, seq=12, lengths=LENGTHS)
+    b = make_batch(batch=8, seq=12, lengths=LENGTHS[::-1], seed=1)
+    policy = Policy(config(model_dir), num_workers=2, backend=backend, failure_timeout_s=5)
+    try:
+        want_b = policy.get_logprobs(data=b)["logprobs"]
+        group = policy._group
+        interrupt(monkeypatch, group, "_collect")
+        with pytest.raises(KeyboardInterrupt):
+            policy.get_logprobs(data=a)
+        torch.testing.assert_close(policy.get_logprobs(data=b)["logprobs"], want_b, atol=0, rtol=0)
+        interrupt(monkeypatch, group, "_collect")
+        with pytest.raises(KeyboardInterrupt):
+            policy.get_topk_logits(data=a, k=TOPK)
+        metrics = policy.train(a, ClippedPGLoss())  # not the top-k answer still on its way
+        assert "loss" in metrics and "topk_logits" not in metrics
+        interrupt(monkeypatch, group, "_collect")
+        with pytest.raises(KeyboardInterrupt):
+            policy.train(a, ClippedPGLoss())  # runs to its end on the workers
+        after = policy.get_logprobs(data=b)["logprobs"]
+        assert after.shape == (8, 12) and not torch.equal(after, want_b)  # two steps later
+        torch.testing.assert_close(policy.get_logprobs(data=b)["logprobs"], after, atol=0, rtol=0)
+
+        with pytest.raises(WorkerError, match="failed train") as e:
+            policy.train(a, DriverOnlyLoss())
+        assert not e.value.broken and "policyworker_tests_driver_only" in e.value.detail
+        torch.testing.assert_close(policy.get_logprobs(data=b)["logprobs"], after, atol=0, rtol=0)
+
+        interrupt(monkeypatch, group, "_send", rank=1)
+        with pytest.raises(KeyboardInterrupt):
+            policy.get_logprobs(data=a)
+        with pytest.raises(WorkerError, match="interrupted while sending") as e:
+            policy.get_logprobs(data=b)
+        assert e.value.broken
+    finally:
+        pids = policy.pids
+        policy.shutdown()
+    assert_gone(pids)
+
+
+def test_shutdown_commits_a_pending_async_save(model_dir, tmp_path):
+    data = make_batch(batch=8, seq=12, lengths=LENGTHS)
+    policy = Policy(config(model_dir), num_workers=2)
+    policy.train(data, ClippedPGLoss())
+    policy.save_checkpoint(tmp_path / "weights", tmp_path / "optim", async_save=True)
+    with pytest.raises(WorkerError, match="still pending"):
+        policy.save_checkpoint(tmp_path / "weights", async_save=True)
+    policy.shutdown()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optim", "weights"]
+    worker = MegatronPolicyWorker(config(model_dir))
+    worker.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    assert worker.state.scheduler.num_steps == 1

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from policyworker.config import OptimizerConfig, RefitConfig
 from policyworker.generation.engine import HFEngine
-from policyworker.generation.process import GenerationProcess
+from policyworker.generation.process import EngineError, GenerationProcess
 from policyworker.losses import NLLLoss
 from policyworker.model.build import global_named_parameters
 from policyworker.refit.export import model_tensors
@@ -367,3 +367,32 @@ def test_a_dead_collective_receiver_fails_the_trainer_in_time(llama_dir):
         worker.broadcast_weights_for_collective(buffer_size_bytes=SMALL_BUFFER)
     assert time.monotonic() - start < 15
     gen.close()
+
+
+def test_a_timed_out_command_never_answers_the_next_one(llama_dir):
+    """Each command's answer carries its id: a late answer (to a command that timed out) is
+    dropped, and the engine stays usable; a second begin_refit is refused, not queued."""
+    worker = make_worker(llama_dir)
+    info = worker.prepare_refit_info()
+    big, small = make_batch(batch=64, seq=60), make_batch(batch=2, seq=12, seed=1)
+    with GenerationProcess(str(llama_dir), info) as gen:
+        want = gen.logprobs(small["input_ids"], small["input_lengths"])
+        gen.timeout_s = 1e-4
+        with pytest.raises(EngineError, match="no answer to logprobs"):
+            gen.logprobs(big["input_ids"], big["input_lengths"])
+        gen.timeout_s = 60.0
+        assert torch.equal(gen.logprobs(small["input_ids"], small["input_lengths"]), want)
+
+        gen.begin_refit_ipc(worker.get_zmq_address(), timeout_s=1.0)  # no trainer streams
+        with pytest.raises(EngineError, match="a refit is in progress"):
+            gen.begin_refit_ipc(worker.get_zmq_address())
+        gen.timeout_s = 1e-3
+        with pytest.raises(EngineError, match="no answer to refit"):
+            gen.end_refit()
+        gen.timeout_s = 60.0
+        assert gen.version() is None  # not the refit's late RefitError
+        with pytest.raises(EngineError, match="no refit was begun"):
+            gen.end_refit()
+        gen.begin_refit_ipc(worker.get_zmq_address())
+        worker.stream_weights_via_ipc_zmq()
+        assert gen.end_refit() == 1 and gen.version() == 1

@@ -16,56 +16,52 @@ optimizer directory from another save.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
 from policyworker.checkpoint import integrity
 from policyworker.checkpoint import state as sd
 from policyworker.checkpoint.commit import (
     CheckpointError,
+    check_model,
     commit,
     fault_point,
     file_sizes,
     from_rank0,
     gather,
-    is_checkpoint,
     make_tmp,
+    model_fields,
     rank,
     read_manifest,
     write_manifest,
 )
+from policyworker.checkpoint.writes import (
+    PendingSave,
+    discard,
+    failure,
+    first_error,
+    in_process_results,
+    join_writes,
+    start_writes,
+)
+from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.memory.host import HostArena
 from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups, ParallelDims
+from policyworker.train.optimizer import restore_schedule
 
 log = logging.getLogger(__name__)
 
 HF_SUBDIR = "hf"
 """Inside a weights checkpoint: the HF config (and tokenizer files), for export."""
-
-# Fields of ModelShape that must agree between a checkpoint and the model it loads into.
-_SHAPE_FIELDS = (
-    "architecture",
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
-    "tie_word_embeddings",
-)
 
 
 @dataclass(slots=True)
@@ -80,16 +76,8 @@ class Trainee:
     shape: ModelShape
     hf_config: Any
     precision: str
-
-
-@dataclass(slots=True)
-class _Pending:
-    """An async save between `save` and `finalize`."""
-
-    requests: list[tuple[AsyncRequest, list[Any]]]
-    commits: list[tuple[Path, Path, dict[str, Any]]]  # (tmp, target, manifest)
-    thread: threading.Thread | None = None
-    errors: list[BaseException] = field(default_factory=list)
+    optimizer_config: OptimizerConfig
+    scheduler_config: SchedulerConfig
 
 
 class Checkpointer:
@@ -102,8 +90,11 @@ class Checkpointer:
         # One save strategy per directory kind, kept: after the first save megatron reuses its
         # plans, and the sharding is validated once (the model's sharding does not change).
         self._strategies: dict[str, TorchDistSaveShardedStrategy] = {}
-        self._pending: _Pending | None = None
+        self._pending: PendingSave | None = None
         self._arena: HostArena | None = None  # staging memory, reused by every save
+        self.damaged: str | None = None
+        """Why the training state is unusable (a load failed part-way through applying it);
+        cleared by the next load with a training state."""
         self.last_save_timing: dict[str, float] = {}
         """The last save's bytes staged and seconds since its call when: the sharded state dicts
         were built, the host copies issued (a first save allocates their memory), the write
@@ -129,7 +120,7 @@ class Checkpointer:
         base = {
             "save_id": save_id,
             **counters,
-            "model": {k: getattr(t.shape, k) for k in _SHAPE_FIELDS},
+            "model": model_fields(t.shape),
             "precision": t.precision,
             "layout": {"tp": t.dims.tp, "pp": t.dims.pp, "cp": t.dims.cp, "dp": t.dims.dp},
             "verify_integrity": self.verify_integrity,
@@ -149,10 +140,36 @@ class Checkpointer:
         arena, self._arena = self._arena, None  # stage may free it before allocating anew
         staged, self._arena = sd.stage([tree for _, tree, _ in trees], arena)
         staged_s = time.perf_counter() - start  # copies issued (waited for after planning)
-        pending = _Pending(requests=[], commits=[])
-        _in_process_results()
+        pending = PendingSave(requests=[], commits=[])
+        try:
+            self._plan(pending, trees, tokenizer)
+            planned_s = time.perf_counter() - start
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the staging copies, which the planning overlapped
+        except BaseException as e:
+            raise failure(pending, e) from e
+        done_s = time.perf_counter() - start
+        self.last_save_timing = dict(
+            state_dicts_s=trees_s, stage_s=staged_s, planned_s=planned_s, staged_s=done_s
+        ) | {"staged_bytes": float(staged)}
+        self._pending = pending
+        start_writes(pending)
+        if not async_save:
+            self.finalize()
+        self.last_save_timing["blocking_s"] = time.perf_counter() - start
+
+    def _plan(
+        self,
+        pending: PendingSave,
+        trees: list[tuple[Path, dict[str, Any], dict[str, Any]]],
+        tokenizer: Any | None,
+    ) -> None:
+        """Each directory's temporary sibling and write request (into `pending` as they are
+        made, so a failure can remove what exists)."""
+        in_process_results()
         for target, tree, meta in trees:
             tmp = make_tmp(target)
+            pending.commits.append((tmp, target, meta))
             first = meta["kind"] not in self._strategies
             strategy = self._strategies.setdefault(
                 meta["kind"],
@@ -171,38 +188,44 @@ class Checkpointer:
             # Not request.preload_fn: the tensors are on the host already, and it synchronizes
             # the device (which would end the overlap with the staging copies).
             pending.requests.append((request, list(request.async_fn_args)))
-            pending.commits.append((tmp, target, meta))
         if rank() == 0:
-            _write_hf_files(pending.commits[0][0], t.hf_config, tokenizer)
-        planned_s = time.perf_counter() - start
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the staging copies, which the planning above overlapped
-        done_s = time.perf_counter() - start
-        self.last_save_timing = dict(
-            state_dicts_s=trees_s, stage_s=staged_s, planned_s=planned_s, staged_s=done_s
-        ) | {"staged_bytes": float(staged)}
-        self._pending = pending
-        if async_save:
-            pending.thread = threading.Thread(
-                target=_run_writes, args=(pending,), name="checkpoint-writer", daemon=True
-            )
-            pending.thread.start()
-        else:
-            _run_writes(pending)
-            self.finalize()
-        self.last_save_timing["blocking_s"] = time.perf_counter() - start
+            _write_hf_files(pending.commits[0][0], self.t.hf_config, tokenizer)
+
+    @property
+    def pending_targets(self) -> list[Path]:
+        """The directories of the async save not yet finalized."""
+        return [] if self._pending is None else [c[1] for c in self._pending.commits]
 
     def finalize(self) -> bool:
         """Wait for an async save's writes, finish it on every rank and commit it. Returns
-        whether there was one. Collective."""
+        whether there was one. Collective. A save that fails commits nothing and leaves no
+        temporary files: `CheckpointSaveError` names the directory and the cause."""
         pending, self._pending = self._pending, None
         if pending is None:
             return False
-        if pending.thread is not None:
-            pending.thread.join()
-        failures = [f"rank {r}: {e}" for r, e in enumerate(gather(_first(pending.errors))) if e]
+        try:
+            self._commit(pending)
+        except BaseException as e:
+            raise failure(pending, e) from e
+        return True
+
+    def abort(self) -> bool:
+        """Drop a pending async save without committing it (its writer is waited for, its
+        temporary files removed); whether there was one. Not collective."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        join_writes(pending)
+        discard(pending)
+        return True
+
+    def _commit(self, pending: PendingSave) -> None:
+        join_writes(pending)
+        failures = [
+            f"rank {r}: {e}" for r, e in enumerate(gather(first_error(pending.errors))) if e
+        ]
         if failures:
-            raise CheckpointError(f"checkpoint write failed: {'; '.join(failures)} (not committed)")
+            raise RuntimeError(f"the write failed ({'; '.join(failures)})")
         for request, _ in pending.requests:
             for fn in request.finalize_fns:
                 fn()  # collective: gathers write results, writes the metadata
@@ -222,7 +245,6 @@ class Checkpointer:
                 commit(tmp, target)
 
         from_rank0(commit_all)
-        return True
 
     # --- load ------------------------------------------------------------------------------------
 
@@ -232,15 +254,18 @@ class Checkpointer:
         t = self.t
         self.finalize()
         manifest = read_manifest(weights_path, "weights_path")
+        _check_kind(manifest, "weights", "weights_path", weights_path)
         check_model(manifest, t.shape, "weights_path")
         opt_manifest = None
         if optimizer_path is not None:
             opt_manifest = read_manifest(optimizer_path, "optimizer_path")
+            _check_kind(opt_manifest, "training_state", "optimizer_path", optimizer_path)
             if opt_manifest.get("save_id") != manifest.get("save_id"):
                 raise CheckpointError(
                     f"optimizer_path: {optimizer_path} was written by another save than "
                     f"weights_path {weights_path} (save_id differs)"
                 )
+            _check_optimizer(opt_manifest, t)
         model_sd = sd.fresh(sd.model_state(t.model))
         loaded = _load(model_sd, weights_path, manifest, "weights_path")
         opt_loaded = None
@@ -255,7 +280,16 @@ class Checkpointer:
             else:
                 log.info("layout changed since the save: RNG states are not restored")
             opt_loaded = _load(tree, optimizer_path, opt_manifest, "optimizer_path")
-        _apply(t, loaded, opt_loaded)
+        try:
+            _apply(t, loaded, opt_loaded)
+        except BaseException as e:
+            self.damaged = f"loading {weights_path} failed part-way ({type(e).__name__}: {e})"
+            raise CheckpointError(
+                f"{self.damaged}; the training state is partly replaced: load a checkpoint with "
+                "its optimizer_path before training again"
+            ) from e
+        if opt_loaded is not None:
+            self.damaged = None
         return manifest
 
 
@@ -263,15 +297,32 @@ def manifest_layout(t: Trainee) -> dict[str, int]:
     return {"tp": t.dims.tp, "pp": t.dims.pp, "cp": t.dims.cp, "dp": t.dims.dp}
 
 
-def check_model(manifest: dict[str, Any], shape: ModelShape, field: str) -> None:
-    """Refuse a checkpoint of another model shape, naming the first field that differs."""
-    saved = manifest.get("model", {})
-    for key in _SHAPE_FIELDS:
-        if saved.get(key) != getattr(shape, key):
-            raise CheckpointError(
-                f"{field}: the checkpoint is of a model with {key}={saved.get(key)!r}; "
-                f"this model has {key}={getattr(shape, key)!r}"
-            )
+def _check_kind(manifest: dict[str, Any], kind: str, field: str, folder: Path) -> None:
+    if manifest.get("kind") != kind:
+        other = "optimizer_path" if field == "weights_path" else "weights_path"
+        raise CheckpointError(
+            f"{field}: {folder} holds a checkpoint's {manifest.get('kind')!r} directory, not its "
+            f"{kind!r} one (pass it as {other}?)"
+        )
+
+
+def _check_optimizer(opt_manifest: dict[str, Any], t: Trainee) -> None:
+    """Refuse a training state this worker's optimizer cannot take, before anything loads: its
+    state has another form under another precision (fp32 masters or none) or optimizer kind."""
+    saved_dist, live_dist = opt_manifest.get("distributed_optimizer"), _is_dist(t)
+    if saved_dist != live_dist:
+        kinds = {True: "a distributed optimizer", False: "a plain optimizer"}
+        raise CheckpointError(
+            f"optimizer_path: saved by {kinds.get(saved_dist, saved_dist)}; this worker has "
+            f"{kinds[live_dist]} (optimizer.use_distributed_optimizer={live_dist}). Load the "
+            "weights alone, or use the optimizer kind it was saved with"
+        )
+    if opt_manifest.get("precision") != t.precision:
+        raise CheckpointError(
+            f"optimizer_path: saved by a {opt_manifest.get('precision')} worker; this one is "
+            f"{t.precision}, whose optimizer state has another form. Load the weights alone, or "
+            f"use precision={opt_manifest.get('precision')!r}"
+        )
 
 
 def _load(tree: dict[str, Any], folder: Path, manifest: dict[str, Any], field: str) -> Any:
@@ -279,20 +330,34 @@ def _load(tree: dict[str, Any], folder: Path, manifest: dict[str, Any], field: s
         integrity.verify(folder, manifest["sha256"], field)
     try:
         return dist_checkpointing.load(tree, str(folder))
-    except Exception as e:  # dist-checkpointing raises many types; name the directory
+    # dist-checkpointing raises many types, torch's CheckpointException a BaseException
+    except (Exception, CheckpointException) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{field}: {folder} does not load: {reason[:500]}") from e
 
 
 def _apply(t: Trainee, loaded: Any, opt_loaded: Any | None) -> None:
-    """Copy loaded host tensors into the live model, optimizer, scheduler and RNG."""
+    """Copy loaded host tensors into the live optimizer, scheduler, model and RNG (the
+    optimizer first: it is the part whose load can still refuse what it is given)."""
+    if opt_loaded is not None:
+        sd.load_optimizer(t.optimizer, opt_loaded["optimizer"])
+        overridden = restore_schedule(
+            t.optimizer,
+            t.scheduler,
+            opt_loaded["scheduler"],
+            t.optimizer_config,
+            t.scheduler_config,
+        )
+        if overridden:
+            log.warning(
+                "load_checkpoint: the checkpoint's settings replace the config's "
+                "(set_learning_rate() after the load changes the lr): %s",
+                overridden,
+            )
     t.model.load_state_dict(loaded, strict=False)
     if opt_loaded is None:
         _reseed_masters(t.optimizer)
-        return
-    sd.load_optimizer(t.optimizer, opt_loaded["optimizer"])
-    t.scheduler.load_state_dict(opt_loaded["scheduler"])
-    if "rng" in opt_loaded:
+    elif "rng" in opt_loaded:
         sd.restore_rng(opt_loaded["rng"])
 
 
@@ -310,103 +375,9 @@ def _is_dist(t: Trainee) -> bool:
     return any(isinstance(p, DistributedOptimizer) for p in optimizer_parts(t.optimizer))
 
 
-def _in_process_results() -> None:
-    """Give this save's writers a fresh in-process results queue.
-
-    mcore's writers report through a cached queue that by default a spawned multiprocessing
-    Manager serves: a helper process that re-imports the caller's `__main__` (a script without a
-    main guard runs twice) and outlives a killed trainer. Our writes run in this process, so a
-    thread-safe queue does; a fresh one per save leaves no result of a failed save behind."""
-    filesystem_async._results_queue = queue.Queue()
-
-
-def _run_writes(pending: _Pending) -> None:
-    """Write every request's files (inline, or as the background thread's body)."""
-    try:
-        for request, args in pending.requests:
-            if request.async_fn is not None:
-                request.async_fn(*args, **request.async_fn_kwargs)
-            fault_point("checkpoint.write")  # after the first directory's files
-    except BaseException as e:  # reported by finalize on every rank
-        pending.errors.append(e)
-
-
-def _first(errors: list[BaseException]) -> str | None:
-    return f"{type(errors[0]).__name__}: {errors[0]}" if errors else None
-
-
 def _write_hf_files(folder: Path, hf_config: Any, tokenizer: Any | None) -> None:
     hf = folder / HF_SUBDIR
     hf.mkdir(exist_ok=True)
     hf_config.save_pretrained(hf)
     if tokenizer is not None:
         tokenizer.save_pretrained(hf)
-
-
-def checkpoint_kind(path: Path, field: str) -> str:
-    """ "checkpoint" (ours, complete), "hf" (config.json + safetensors) or a `CheckpointError`."""
-    if is_checkpoint(path):
-        return "checkpoint"
-    if (path / "config.json").is_file() and any(path.glob("*.safetensors*")):
-        return "hf"
-    if path.is_dir() and any(path.glob(".metadata")):
-        raise CheckpointError(f"{field}: {path} is an incomplete checkpoint (no manifest)")
-    raise CheckpointError(
-        f"{field}: {path} is neither a policyworker checkpoint nor a Hugging Face folder"
-    )
-
-
-def check_save_paths(
-    weights_path: str | Path, optimizer_path: str | Path | None, *, has_optimizer: bool
-) -> tuple[Path, Path | None]:
-    """Validate `save_checkpoint`'s directories before anything is staged or written."""
-    paths: list[Path | None] = []
-    for name, value in (("weights_path", weights_path), ("optimizer_path", optimizer_path)):
-        if value is None and name == "optimizer_path":
-            paths.append(None)
-            continue
-        if not isinstance(value, str | Path) or not str(value):
-            raise ValueError(f"{name}: expected a directory path, got {value!r}")
-        path = Path(value).absolute()
-        if path.exists():
-            raise ValueError(
-                f"{name}: {path} exists; a checkpoint is never written over (choose a new "
-                "directory, e.g. one per step, or remove the old one)"
-            )
-        paths.append(path)
-    weights, optimizer = paths
-    assert weights is not None
-    if optimizer is not None:
-        if not has_optimizer:
-            raise ValueError("optimizer_path: this worker has no optimizer (init_optimizer=False)")
-        if optimizer == weights or weights in optimizer.parents or optimizer in weights.parents:
-            raise ValueError(
-                f"optimizer_path: expected a directory apart from weights_path, got {optimizer}"
-            )
-    return weights, optimizer
-
-
-def initial_weights(
-    model_name: str, weights_path: str | None, optimizer_path: str | None, *, init_optimizer: bool
-) -> tuple[str | None, Path | None]:
-    """Where a new worker's weights come from: (HF folder to read, checkpoint to load after).
-
-    A checkpoint's worker still reads `model_name`'s HF weights when it has them: they are the
-    reference model's (the policy the run started from), the checkpoint then replaces the live
-    weights."""
-    if weights_path is None:
-        if optimizer_path is not None:
-            raise ValueError("optimizer_path: needs weights_path (the checkpoint it belongs to)")
-        return model_name, None
-    kind = checkpoint_kind(Path(weights_path), "weights_path")
-    if kind == "hf":
-        if optimizer_path is not None:
-            raise ValueError(
-                "optimizer_path: weights_path is a Hugging Face folder, which has no training "
-                "state to pair with; pass a policyworker checkpoint"
-            )
-        return weights_path, None
-    if optimizer_path is not None and not init_optimizer:
-        raise ValueError("optimizer_path: init_optimizer=False, so there is no optimizer to load")
-    has_hf = any(Path(model_name).glob("*.safetensors*"))
-    return (model_name if has_hf else None), Path(weights_path)

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from policyworker.model.hf_config import ModelShape
+
 MANIFEST = "policyworker.json"
 FORMAT = "policyworker-checkpoint"
 FORMAT_VERSION = 1
@@ -28,6 +30,11 @@ _FAULT_ENV = "POLICYWORKER_FAULT"
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupt or of another model; nothing was loaded."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that failed (disk full, a writer's error): nothing was committed and its temporary
+    files are removed; the message names the directory and the cause."""
 
 
 def fault_point(name: str) -> None:
@@ -45,11 +52,23 @@ def distributed() -> bool:
 
 
 def from_rank0(fn: Callable[[], Any]) -> Any:
-    """`fn()` run on rank 0; its (picklable) result on every rank."""
-    box = [fn() if rank() == 0 else None]
+    """`fn()` run on rank 0; its (picklable) result on every rank. If it raises, every rank
+    raises (the others a `RuntimeError` naming rank 0's error) instead of waiting for it."""
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as e:
+            error, box = e, [("error", f"{type(e).__name__}: {e}")]
     if distributed():
         dist.broadcast_object_list(box, src=0)
-    return box[0]
+    if error is not None:
+        raise error
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed: {value}")
+    return value
 
 
 def gather(obj: Any) -> list[Any]:
@@ -136,3 +155,33 @@ def read_manifest(folder: Path, field: str) -> dict[str, Any]:
 
 def is_checkpoint(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
+
+
+# Fields of the model's shape that must agree between a checkpoint and the model it loads into.
+_SHAPE_FIELDS = (
+    "architecture",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def model_fields(shape: ModelShape) -> dict[str, Any]:
+    """What a manifest records of the model (a `ModelShape`'s defining fields)."""
+    return {k: getattr(shape, k) for k in _SHAPE_FIELDS}
+
+
+def check_model(manifest: dict[str, Any], shape: ModelShape, field: str) -> None:
+    """Refuse a checkpoint of another model shape, naming the first field that differs."""
+    saved = manifest.get("model", {})
+    for key, value in model_fields(shape).items():
+        if saved.get(key) != value:
+            raise CheckpointError(
+                f"{field}: the checkpoint is of a model with {key}={saved.get(key)!r}; "
+                f"this model has {key}={value!r}"
+            )

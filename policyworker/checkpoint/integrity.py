@@ -51,8 +51,11 @@ def _my_digests(folder: Path, units: list[Unit]) -> dict[Unit, str]:
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     mine = units[rank() :: world]
-    with ThreadPoolExecutor(_THREADS) as pool:
-        return dict(zip(mine, pool.map(lambda u: _hash(folder, u), mine), strict=True))
+    try:
+        with ThreadPoolExecutor(_THREADS) as pool:
+            return dict(zip(mine, pool.map(lambda u: _hash(folder, u), mine), strict=True))
+    except RuntimeError:  # at interpreter exit (a pending save committed then): no new threads
+        return {u: _hash(folder, u) for u in mine}
 
 
 def digests(folder: Path, sizes: dict[str, int]) -> dict[str, list[str]]:

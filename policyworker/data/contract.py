@@ -19,7 +19,17 @@ PER_TOKEN_FLOAT = (
 PER_TOKEN_MASK = ("token_mask",)
 PER_SAMPLE = ("sample_mask", "rewards")
 PER_TOKEN_TOPK = ("teacher_topk_logits", "teacher_topk_indices")  # [B, S, k], as get_topk_logits
-_MUST_BE_FINITE = ("advantages", "token_mask", "sample_mask", "rewards", "teacher_topk_logits")
+_MUST_BE_FINITE = (
+    "advantages",
+    "token_mask",
+    "sample_mask",
+    "rewards",
+    "teacher_topk_logits",
+    "prev_logprobs",
+    "reference_policy_logprobs",
+)
+_IN_UNIT_INTERVAL = ("token_mask", "sample_mask")  # weights: 0 drops, fractions scale
+_ID_DTYPES = (torch.int32, torch.int64)  # what an embedding lookup takes
 
 
 class BatchValidationError(ValueError):
@@ -49,8 +59,8 @@ def validate_batch(
     ids = data["input_ids"]
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         _fail("input_ids", "a 2-D integer tensor [B, S]", _describe(ids))
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        _fail("input_ids", "an integer dtype", str(ids.dtype))
+    if ids.dtype not in _ID_DTYPES:
+        _fail("input_ids", "dtype int64 or int32", str(ids.dtype))
     b, s = ids.shape
     if b == 0 or s == 0:
         _fail("input_ids", "a non-empty [B, S]", str(tuple(ids.shape)))
@@ -75,9 +85,6 @@ def validate_batch(
             _check_shape(key, data[key], (b, s), integer=False)
         elif key in PER_SAMPLE:
             _check_shape(key, data[key], (b,), integer=False)
-    for key in PER_TOKEN_FLOAT:
-        if key in keys and not data[key].dtype.is_floating_point:
-            _fail(key, "a floating-point dtype", str(data[key].dtype))
     if any(key in keys for key in PER_TOKEN_TOPK):
         _check_topk(data, b, s, vocab_size)
     return b, s
@@ -89,6 +96,8 @@ def _check_topk(data: Any, b: int, s: int, vocab_size: int) -> None:
     for key, value in zip(PER_TOKEN_TOPK, (logits, ids), strict=True):
         if not isinstance(value, torch.Tensor) or value.dim() != 3 or value.shape[:2] != (b, s):
             _fail(key, f"a tensor [B={b}, S={s}, k]", _describe(value))
+    if logits.shape[2] == 0:
+        _fail("teacher_topk_logits", "k >= 1", str(list(logits.shape)))
     if logits.shape != ids.shape:
         _fail(
             "teacher_topk_indices",
@@ -112,11 +121,17 @@ def _check_shape(key: str, value: Any, shape: tuple[int, ...], *, integer: bool)
         _fail(key, f"a tensor of shape {list(shape)}", _describe(value))
     if tuple(value.shape) != shape:
         _fail(key, f"shape {list(shape)}", str(list(value.shape)))
-    if integer and (value.dtype.is_floating_point or value.dtype == torch.bool):
-        _fail(key, "an integer dtype", str(value.dtype))
-    # Logprobs may legitimately be -inf (e.g. a generator's filtered token); the rest may not.
-    if key in _MUST_BE_FINITE and not torch.isfinite(value.float()).all():
+    if integer and value.dtype not in _ID_DTYPES:
+        _fail(key, "dtype int64 or int32", str(value.dtype))
+    if key in PER_TOKEN_FLOAT and not value.dtype.is_floating_point:
+        _fail(key, "a floating-point dtype", str(value.dtype))
+    # A generation logprob may be -inf (a token the generator filtered out); nothing may be NaN.
+    if key in _MUST_BE_FINITE and not torch.isfinite(value).all():
         _fail(key, "finite values", "NaN or inf")
+    if torch.isnan(value).any() or (value == float("inf")).any():
+        _fail(key, "no NaN or +inf", "NaN or +inf")
+    if key in _IN_UNIT_INTERVAL and ((value < 0) | (value > 1)).any():
+        _fail(key, "values in [0, 1]", f"range [{float(value.min())}, {float(value.max())}]")
 
 
 def _describe(value: Any) -> str:

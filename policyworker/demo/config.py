@@ -10,16 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from policyworker.config import SequencePackingConfig
+from policyworker.config import OptimizerConfig, PolicyConfig, SequencePackingConfig, finite
+from policyworker.demo.resume import ResumePoint, resume_point
 from policyworker.demo.task import (
     Example,
     char_tokenizer,
     encode_prompt,
     load_jsonl,
     load_tokenizer,
+    tiny_llama_config,
 )
 from policyworker.losses.clipped_pg import ClippedPGConfig
 from policyworker.model.hf_config import load_hf_config, model_shape
+from policyworker.model.weights import check_hf_folder
 
 
 @dataclass(kw_only=True, slots=True)
@@ -80,7 +83,9 @@ class DemoConfig:
     `out/checkpoints/step_N/` (worker weights, optimizer state and the loop's own state); 0: never."""
     resume: str | None = None
     """A `out/checkpoints/step_N` folder to continue from: the run goes on at step N with the
-    saved weights, optimizer, data order and sampler seed, and rewrites the rows before N."""
+    saved weights, optimizer, data order and sampler seed, and rewrites the rows before N.
+    Without it, a run whose `out` holds complete steps continues from the latest
+    (`policyworker.demo.resume`)."""
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, expected: str) -> None:
@@ -100,8 +105,14 @@ class DemoConfig:
             check(getattr(self, name) >= 1, name, ">= 1")
         check(self.group_size >= 2, "group_size", ">= 2 (advantages compare samples of a prompt)")
         for name in ("sft_lr", "grpo_lr", "temperature"):
-            check(getattr(self, name) > 0, name, "> 0")
-        check(0 <= self.sft_wrong_fraction <= 1, "sft_wrong_fraction", "a fraction in [0, 1]")
+            check(finite(getattr(self, name)) and getattr(self, name) > 0, name, "a finite > 0")
+        check(
+            finite(self.sft_wrong_fraction) and 0 <= self.sft_wrong_fraction <= 1,
+            "sft_wrong_fraction",
+            "a fraction in [0, 1]",
+        )
+        check(0 <= self.seed < 2**32, "seed", "an int in [0, 2**32)")
+        self.sequence_packing.validate("sequence_packing")  # ClippedPGConfig checks itself
         rollouts = self.prompts_per_step * self.group_size
         check(
             rollouts % (self.micro_batch_size * self.workers) == 0,
@@ -130,25 +141,65 @@ class DemoInputs:
     tokenizer: Any
     examples: list[Example] | None
     """The user's prompt/answer pairs; None for the built-in task."""
-    model_dir: Path | None
-    """The user's checkpoint; None to build the built-in tiny Llama."""
+    model_dir: Path
+    """The user's checkpoint, or where the built-in tiny Llama is saved (`out/init`)."""
+    builtin_model: bool
+    """Whether `model_dir` is the built-in model, written by the run."""
+    policy: PolicyConfig
+    """The workers' config."""
+    resume: ResumePoint | None
+    """Where the run continues from (None: a fresh run)."""
+
+
+def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
+    """The workers' config (its checks run here, before any work)."""
+    return PolicyConfig(
+        model_name=str(model_dir),
+        precision=cfg.precision,
+        train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
+        train_micro_batch_size=cfg.micro_batch_size,
+        logprob_batch_size=cfg.micro_batch_size,
+        max_total_sequence_length=cfg.max_sequence_length,
+        sequence_packing=cfg.sequence_packing,
+        temperature=cfg.temperature,
+        optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
+        seed=cfg.seed,
+    )
 
 
 def load_inputs(cfg: DemoConfig) -> DemoInputs:
-    """Check the model folder, its tokenizer and the JSONL rows; a `ValueError` names the option."""
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+    """Check the model folder, its tokenizer, the JSONL rows, the workers' config and where the
+    run continues from; a `ValueError` names the option."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {cfg.out} exists and is not a folder")
-    if cfg.resume is not None and not (Path(cfg.resume) / "loop.json").is_file():
-        raise ValueError(
-            f"--resume: {cfg.resume} has no loop.json (expected OUT/checkpoints/step_N)"
-        )
     if cfg.model is None:
         if cfg.data is not None:
             raise ValueError("--data: needs --model (the built-in task has its own data)")
-        return DemoInputs(tokenizer=char_tokenizer(), examples=None, model_dir=None)
+        tokenizer = char_tokenizer()
+        shape = model_shape(tiny_llama_config(len(tokenizer)))
+        examples, model_dir = None, out / "init"
+    else:
+        tokenizer, examples, shape = _user_task(cfg)
+        model_dir = Path(cfg.model)
+    return DemoInputs(
+        tokenizer=tokenizer,
+        examples=examples,
+        model_dir=model_dir,
+        builtin_model=cfg.model is None,
+        policy=policy_config(cfg, model_dir),
+        resume=resume_point(out, cfg.resume, shape),
+    )
+
+
+def _user_task(cfg: DemoConfig) -> tuple[Any, list[Example], Any]:
+    """The user's tokenizer, rows and model shape, after checking the weights are whole and
+    fit config.json."""
     if cfg.data is None:
         raise ValueError("--data: required with --model (a JSONL of prompt/answer pairs)")
-    shape = model_shape(load_hf_config(cfg.model, field="--model"))
+    hf_config = load_hf_config(cfg.model, field="--model")
+    shape = model_shape(hf_config)
+    check_hf_folder(cfg.model, hf_config, shape, field="--model")
     tokenizer = load_tokenizer(cfg.model)
     if len(tokenizer) > shape.vocab_size:
         raise ValueError(
@@ -163,4 +214,4 @@ def load_inputs(cfg: DemoConfig) -> DemoInputs:
                 f"--data: row {i} needs {prompt} prompt + {max(answer, cfg.max_new_tokens)} "
                 f"response tokens, over max_sequence_length={cfg.max_sequence_length}"
             )
-    return DemoInputs(tokenizer=tokenizer, examples=examples, model_dir=Path(cfg.model))
+    return tokenizer, examples, shape

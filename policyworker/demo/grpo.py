@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -23,10 +24,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from policyworker.config import OptimizerConfig, PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.demo.config import DemoConfig, DemoInputs, load_inputs
-from policyworker.demo.task import Example, addition_examples, encode_prompt, noisy_labels, reward
+from policyworker.demo.resume import step_folder
+from policyworker.demo.task import (
+    Example,
+    addition_examples,
+    encode_prompt,
+    noisy_labels,
+    reward,
+    tiny_llama_config,
+)
 from policyworker.generation.engine import Samples
 from policyworker.generation.process import GenerationProcess
 from policyworker.losses import ClippedPGLoss, NLLLoss
@@ -37,20 +45,10 @@ log = logging.getLogger(__name__)
 
 def tiny_llama(folder: Path, vocab_size: int, seed: int) -> Path:
     """A 0.6M-parameter random Llama, saved as a HF checkpoint."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=320,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    LlamaForCausalLM(tiny_llama_config(vocab_size)).save_pretrained(folder)
     return folder
 
 
@@ -108,37 +106,24 @@ class Run:
         self.tokenizer = inputs.tokenizer
         self.examples = inputs.examples
         model_dir = inputs.model_dir
-        if model_dir is None:
-            model_dir = tiny_llama(self.out / "init", len(self.tokenizer), cfg.seed)
+        if inputs.builtin_model:  # the same weights for the same seed, resumed or not
+            tiny_llama(model_dir, len(self.tokenizer), cfg.seed)
             self.tokenizer.save_pretrained(model_dir)
-        policy_cfg = PolicyConfig(
-            model_name=str(model_dir),
-            precision=cfg.precision,
-            train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
-            train_micro_batch_size=cfg.micro_batch_size,
-            logprob_batch_size=cfg.micro_batch_size,
-            max_total_sequence_length=cfg.max_sequence_length,
-            sequence_packing=cfg.sequence_packing,
-            temperature=cfg.temperature,
-            optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
-            seed=cfg.seed,
-        )
-        resume = None if cfg.resume is None else Path(cfg.resume)
+        resume = inputs.resume
         if torch.cuda.is_available():  # a memory line per phase (DEBUG level), in every worker
             logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
         self.policy = Policy(
-            policy_cfg,
+            inputs.policy,
             num_workers=cfg.workers,
             backend=cfg.backend,
             tokenizer=self.tokenizer,
-            weights_path=None if resume is None else str(resume / "weights"),
-            optimizer_path=None if resume is None else str(resume / "optim"),
+            weights_path=None if resume is None else str(resume.folder / "weights"),
+            optimizer_path=None if resume is None else str(resume.folder / "optim"),
         )
         self.start_step = 0
         if resume is not None:  # the loop's own state: data order, rows so far
-            loop = json.loads((resume / "loop.json").read_text())
-            self.start_step = loop["step"]
-            self.rng.setstate(_rng_state(loop["rng"]))
+            self.start_step = resume.loop["step"]
+            self.rng.setstate(_rng_state(resume.loop["rng"]))
         # The sampler: a transformers engine in its own process, refitted over IPC.
         self.sampler = GenerationProcess(
             str(model_dir),
@@ -146,11 +131,11 @@ class Run:
             tokenizer=self.tokenizer,
             device=str(self.policy.device),
         )
+        # Rewritten whole: the rows before the resumed step come from its loop state.
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
-        if resume is not None:
-            for row in loop["rows"]:
-                self.record(row)
+        for row in [] if resume is None else resume.loop["rows"]:
+            self.record(row)
 
     def close(self) -> None:
         self.sampler.close()
@@ -161,7 +146,10 @@ class Run:
         """`out/checkpoints/step_N/`: the worker's weights and optimizer, then `loop.json` (the
         step, the data RNG and the rows so far), written last and atomically: a folder without
         it is not a complete checkpoint."""
-        folder = self.out / "checkpoints" / f"step_{steps_done}"
+        folder = step_folder(self.out, steps_done)
+        if folder.exists():  # no loop.json (complete ones are never written over): a crash's
+            log.warning("removing %s, an incomplete step left by an earlier run", folder)
+            shutil.rmtree(folder)
         self.policy.save_checkpoint(folder / "weights", folder / "optim")
         loop = {"step": steps_done, "rng": self.rng.getstate(), "rows": self.history}
         tmp = folder / "loop.json.tmp"

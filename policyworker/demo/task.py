@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 CHARS = list("0123456789+=")
 
@@ -27,6 +27,21 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()  # "1", "2" -> "12", not "1 2"
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def tiny_llama_config(vocab_size: int) -> LlamaConfig:
+    """The built-in task's model: a 0.6M-parameter Llama."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
     )
 
 
@@ -94,11 +109,17 @@ def load_jsonl(path: str | Path, *, field: str = "--data") -> list[Example]:
             continue
         try:
             row: dict[str, Any] = json.loads(line)
-            out.append(Example(prompt=str(row["prompt"]), answer=str(row["answer"])))
+            prompt, answer = row["prompt"], row["answer"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(
                 f"{field}: {path}:{i}: expected a JSON object with 'prompt' and 'answer' ({e})"
             ) from None
+        if not isinstance(prompt, str) or not prompt or not isinstance(answer, str | int):
+            raise ValueError(
+                f"{field}: {path}:{i}: expected a non-empty string prompt and a string or "
+                f"integer answer, got {prompt!r} and {answer!r}"
+            )
+        out.append(Example(prompt=prompt, answer=str(answer)))
     if not out:
         raise ValueError(f"{field}: {path} has no examples")
     return out

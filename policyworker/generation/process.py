@@ -6,13 +6,18 @@
     version = gen.end_refit()                       # the engine's verdict: the version it applied
     samples = gen.sample(prompts, n=8, max_new_tokens=16, temperature=1.0, seed=0)
 
-Commands travel over a pipe; each has a deadline, and a dead process is an error, not a hang.
+Commands travel over a pipe, each with an id that its answer echoes; each has a deadline, and a
+dead process is an error, not a hang. A command that timed out is still answered later: that
+answer is dropped by id, so the next command gets its own (the engine stays usable).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import logging
 import multiprocessing as mp
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,6 +26,8 @@ import torch
 
 from policyworker.refit.buffers import remove_leftovers
 from policyworker.refit.layout import RefitError, RefitInfo
+
+log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 300.0  # importing torch and transformers, loading the model
 
@@ -60,28 +67,29 @@ class GenerationProcess:
         )
         self._proc.start()
         child.close()
-        self._wait(_START_TIMEOUT_S, "start")
-        self._refit_pending = False
+        self._ids = itertools.count(1)
+        self._refit: int | None = None  # the id of the refit begun and not yet ended
+        self._wait(0, _START_TIMEOUT_S, "start")
 
     def begin_refit_ipc(self, address: str, timeout_s: float | None = None) -> None:
         """Start receiving a refit from the trainer bound at `address`; returns at once."""
-        self._conn.send(("refit_ipc", (address, timeout_s or self.timeout_s)))
-        self._refit_pending = True
+        self._begin_refit("refit_ipc", (address, timeout_s or self.timeout_s))
 
     def init_collective(self, host: str, port: int, world_size: int, rank: int) -> None:
         """Join the trainer's collective refit group as `rank`; returns at once (the group forms
         when the trainer joins; a failure is raised by the next call)."""
-        self._conn.send(("init_collective", (host, port, world_size, rank, self.timeout_s)))
+        self._send("init_collective", (host, port, world_size, rank, self.timeout_s))
 
     def begin_refit_collective(self, timeout_s: float | None = None) -> None:
         """Start receiving a collective refit (`update_weights_from_collective`); returns at once."""
-        self._conn.send(("refit_collective", (timeout_s or self.timeout_s,)))
-        self._refit_pending = True
+        self._begin_refit("refit_collective", (timeout_s or self.timeout_s,))
 
     def end_refit(self) -> int:
         """The version the engine applied; `RefitError` if the refit failed (weights unchanged)."""
-        self._refit_pending = False
-        return self._wait(self.timeout_s * 2, "refit")
+        if self._refit is None:
+            raise EngineError("end_refit: no refit was begun")
+        refit, self._refit = self._refit, None
+        return self._wait(refit, self.timeout_s * 2, "refit")
 
     def sample(self, prompts: list[str], **kwargs: Any) -> Any:
         return self._call("sample", (prompts,), kwargs)
@@ -104,7 +112,7 @@ class GenerationProcess:
     def close(self) -> None:
         if self._proc.is_alive():
             with contextlib.suppress(BrokenPipeError, OSError):
-                self._conn.send(("close", ()))
+                self._send("close", ())
             self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -124,20 +132,37 @@ class GenerationProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
-        if self._refit_pending:
+    def _begin_refit(self, name: str, payload: tuple) -> None:
+        if self._refit is not None:
             raise EngineError(f"{name}: a refit is in progress; end_refit() first")
-        self._conn.send((name, (args, kwargs)))
-        return self._wait(self.timeout_s, name)
+        self._refit = self._send(name, payload)
 
-    def _wait(self, timeout_s: float, what: str) -> Any:
-        if not self._conn.poll(timeout_s):
-            alive = "is alive" if self._proc.is_alive() else "has died"
-            raise EngineError(f"generation process: no answer to {what} in {timeout_s} s ({alive})")
-        try:
-            status, value = self._conn.recv()
-        except EOFError:
-            raise EngineError(f"generation process died during {what}") from None
+    def _call(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if self._refit is not None:
+            raise EngineError(f"{name}: a refit is in progress; end_refit() first")
+        return self._wait(self._send(name, (args, kwargs)), self.timeout_s, name)
+
+    def _send(self, name: str, payload: tuple) -> int:
+        command = next(self._ids)
+        self._conn.send((command, name, payload))
+        return command
+
+    def _wait(self, command: int, timeout_s: float, what: str) -> Any:
+        """The answer to `command`; answers to earlier commands that timed out are dropped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                alive = "is alive" if self._proc.is_alive() else "has died"
+                raise EngineError(
+                    f"generation process: no answer to {what} in {timeout_s} s ({alive})"
+                )
+            try:
+                answered, status, value = self._conn.recv()
+            except EOFError:
+                raise EngineError(f"generation process died during {what}") from None
+            if answered == command:
+                break
+            log.warning("generation process: dropped the late answer to command %d", answered)
         if status == "refit_error":
             raise RefitError(value)
         if status == "error":
@@ -167,7 +192,7 @@ def _serve(
     )
     targets = engine.refit_targets(set(info))
     staging = Staging(info, targets, adopt=True, shared=shared_staging)  # adopt: no CUDA graphs
-    conn.send(("ok", None))
+    conn.send((0, "ok", None))
     handlers = {
         "sample": lambda args, kw: engine.sample(*args, **kw),
         "logprobs": lambda args, kw: engine.logprobs(*args, **kw),
@@ -179,7 +204,7 @@ def _serve(
     }
     group, group_error = None, None
     while True:
-        name, payload = conn.recv()
+        command, name, payload = conn.recv()
         if name == "close":
             return
         if name == "init_collective":  # no answer: the trainer joins after us
@@ -196,15 +221,15 @@ def _serve(
                 raise RuntimeError(f"joining the refit group failed:\n{group_error}")
             if name == "refit_ipc":
                 address, timeout_s = payload
-                conn.send(("ok", receive_ipc(staging, address=address, timeout_s=timeout_s)))
+                value = receive_ipc(staging, address=address, timeout_s=timeout_s)
             elif name == "refit_collective":
                 if group is None:
                     raise RuntimeError("refit_collective: init_collective() first")
-                version = receive_refit(group, staging, device=engine.device, timeout_s=payload[0])
-                conn.send(("ok", version))
+                value = receive_refit(group, staging, device=engine.device, timeout_s=payload[0])
             else:
-                conn.send(("ok", handlers[name](*payload)))
+                value = handlers[name](*payload)
+            conn.send((command, "ok", value))
         except RefitError as e:
-            conn.send(("refit_error", str(e)))
+            conn.send((command, "refit_error", str(e)))
         except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send((command, "error", traceback.format_exc()))

@@ -19,9 +19,11 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
 from safetensors import safe_open
 
 from policyworker.model.hf_config import ModelShape
@@ -252,3 +254,52 @@ def export_hf_weights(
             dist.all_gather(shards, tensor.contiguous(), group=tp_group)
             tensor = m.unshard(shards)
         yield from zip(m.hf, m.to_hf(tensor, shape), strict=True)
+
+
+def check_hf_folder(folder: str | Path, hf_config: Any, shape: ModelShape, *, field: str) -> None:
+    """Before any weight is read: every weight file complete (its header's tensors all within
+    the file), and every tensor the model reads present with the shape its config.json implies.
+    A `ValueError` names `field`, the file or the tensor."""
+    found = _safetensors_headers(Path(folder), field)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    for name in (n for m in mappings(shape) for n in m.hf):
+        if name not in found:
+            raise ValueError(f"{field}: {folder} has no tensor {name!r} (config.json needs it)")
+        if found[name] != expected.get(name, found[name]):
+            raise ValueError(
+                f"{field}: {folder}: {name} has shape {list(found[name])}; config.json gives "
+                f"{list(expected[name])} (do config.json and the weights belong together?)"
+            )
+
+
+def _safetensors_headers(folder: Path, field: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from the headers of the folder's safetensors files, after checking
+    each file holds every byte its header announces."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{field}: {index} does not parse ({e})") from None
+    else:
+        files = ["model.safetensors"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in files:
+        path = folder / name
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n)) if 0 < n < (1 << 30) else None
+            size = path.stat().st_size
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{field}: {path} is not readable safetensors ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{field}: {path} is not a safetensors file (bad header)")
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = 8 + n + max((v["data_offsets"][1] for v in tensors.values()), default=0)
+        if size < end:
+            raise ValueError(f"{field}: {path} is truncated ({size} bytes; its header needs {end})")
+        shapes.update({k: tuple(v["shape"]) for k, v in tensors.items()})
+    return shapes

@@ -6,6 +6,7 @@ named mesh `[pp, dp, cp, tp]` that NeMo-RL uses.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -224,4 +225,21 @@ def setup_parallel(parallel: ParallelConfig) -> tuple[ParallelDims, Groups]:
         sp=parallel.sequence_parallel,
     )
     init_model_parallel(dims)
+    if not _EXIT_HOOK:
+        atexit.register(destroy_parallel)
+        _EXIT_HOOK.append(True)
     return dims, Groups.current()
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def destroy_parallel() -> None:
+    """megatron's groups and torch.distributed's, destroyed (run at interpreter exit: a process
+    that leaves them to the C++ destructors can abort at exit, "terminate called without an
+    active exception", after its work is done)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

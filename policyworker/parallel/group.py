@@ -1,6 +1,13 @@
 """What both backends of the driver share: the error a failed call raises and the rules that
 turn each rank's answer (or silence) into one outcome.
 
+Every request carries a call id that its answer echoes; an answer with another id (left over
+from an earlier call) is dropped, never taken for this call's. A call the driver itself leaves
+early (an exception between sending and the last answer: Ctrl-C, a failing callback) is settled
+by the next call before it sends anything: it waits for the old call's answers under the rules
+below, so every rank is back in step (or the group is broken) before new work starts. A driver
+interrupted while still sending a call breaks the group: some ranks may run it alone.
+
 A call fails when a rank raises or its process dies. Then:
 - a dead rank fails the call at once (its peers may wait in a collective forever), and the group
   is broken: every later call raises until `shutdown()`;
@@ -11,9 +18,14 @@ A call fails when a rank raises or its process dies. Then:
 
 from __future__ import annotations
 
+import abc
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 class WorkerError(RuntimeError):
@@ -33,6 +45,8 @@ class WorkerGroup(Protocol):
 
     world_size: int
     pids: list[int]
+    broken: WorkerError | None
+    """The failure that broke the group (every later call raises it), or None."""
     last_worker_s: float
     """How long the last call ran inside the slowest worker (the rest of its time is transport)."""
 
@@ -52,9 +66,12 @@ class Answers:
     """The answers to one call as they come in, and what they mean."""
 
     call: str
+    call_id: int
     world_size: int
     failure_timeout_s: float
     call_timeout_s: float | None
+    handles: dict[Any, int] = field(default_factory=dict)
+    """The backend's pending handles of this call and their ranks (Ray: object refs)."""
     started: float = field(default_factory=time.monotonic)
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
@@ -67,11 +84,19 @@ class Answers:
         done = self.values.keys() | self.errors.keys() | self.dead.keys()
         return [r for r in range(self.world_size) if r not in done]
 
-    def add(self, rank: int, answer: tuple[Any, ...]) -> None:
-        status, value, *timing = answer
+    def add(self, rank: int, answer: tuple[int, str, Any, float]) -> None:
+        call_id, status, value, seconds = answer
+        if call_id != self.call_id:  # an earlier call's: never this one's answer
+            log.warning(
+                "rank %d: dropped an answer to call %d (waiting for %d)",
+                rank,
+                call_id,
+                self.call_id,
+            )
+            return
         if status == "ok":
             self.values[rank] = value
-            self.seconds[rank] = timing[0] if timing else 0.0
+            self.seconds[rank] = seconds
         else:
             self.errors[rank] = value
             self.first_error_at = self.first_error_at or time.monotonic()
@@ -110,8 +135,11 @@ class Answers:
         return [self.values[r] for r in range(self.world_size)]
 
 
-class GroupState:
-    """What both backends keep between calls, and how a call's answers settle into it."""
+class GroupState(abc.ABC):
+    """What both backends keep between calls, and how a call's answers settle into it.
+
+    A backend implements `_send` (one rank's request) and `_collect` (wait for answers until
+    `answers.done()` or its time is up); `_call` runs them with the interruption rules."""
 
     def __init__(
         self, world_size: int, failure_timeout_s: float, call_timeout_s: float | None
@@ -123,11 +151,57 @@ class GroupState:
         """The failure that broke the group: every later call raises it."""
         self.last_worker_s = 0.0
         self.pids: list[int] = []
+        self._last_id = 0
+        self._unsettled: Answers | None = None
+        """A call the driver left before every answer came: the next call settles it first."""
+
+    @abc.abstractmethod
+    def _send(self, rank: int, answers: Answers, request: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _collect(self, answers: Answers) -> None: ...
 
     def _answers(self, call: str, timeout_s: float | None, *, check: bool = True) -> Answers:
         if check and self.broken is not None:
             raise self.broken
-        return Answers(call, self.world_size, self.failure_timeout_s, timeout_s)
+        if self._unsettled is not None:
+            self._settle_interrupted(self._unsettled)
+        self._last_id += 1
+        return Answers(call, self._last_id, self.world_size, self.failure_timeout_s, timeout_s)
+
+    def _call(self, answers: Answers, requests: Sequence[Any]) -> list[Any]:
+        """Send rank r `requests[r]`, wait for the answers and settle them."""
+        for rank, request in enumerate(requests):
+            try:
+                self._send(rank, answers, request)
+            except BaseException as e:
+                self.broken = WorkerError(
+                    rank,
+                    answers.call,
+                    f"the driver was interrupted while sending the call ({e!r}); ranks before "
+                    f"{rank} may run it without the others",
+                    broken=True,
+                )
+                raise
+        try:
+            self._collect(answers)
+        except BaseException:
+            self._unsettled = answers
+            raise
+        return self._settle(answers)
+
+    def _settle_interrupted(self, answers: Answers) -> None:
+        """Wait for the answers of a call the driver left early; drop them (they were the old
+        call's), or break the group if its ranks fell out of step."""
+        self._collect(answers)  # interrupted again: it stays unsettled for the next call
+        self._unsettled = None
+        try:
+            self._settle(answers)
+        except WorkerError as e:
+            if e.broken:
+                raise
+            log.warning("the interrupted call %s failed after all: %s", answers.call, e)
+        log.warning("dropped the answers of the interrupted call %s", answers.call)
 
     def _settle(self, answers: Answers) -> list[Any]:
         self.last_worker_s = max(answers.seconds.values(), default=0.0)

@@ -1,9 +1,10 @@
 """What runs inside each worker process of a driver's group (a spawned process or a Ray actor).
 
 The host sets the rank's torchrun-style environment, builds one `MegatronPolicyWorker` and runs
-the calls the driver sends. Every answer is `("ok", value)` or `("error", traceback)`: a worker's
-exception travels back as text, so the driver can name the rank and the call, and the process
-stays up for the next call.
+the calls the driver sends. Every request carries the driver's call id and every answer echoes
+it — `(call_id, "ok", value, seconds)` or `(call_id, "error", traceback, 0.0)` — so the driver
+never takes an answer for another request's. A worker's exception travels back as text, so the
+driver can name the rank and the call, and the process stays up for the next call.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any
 
 import torch
 
-Answer = tuple[Any, ...]
-"""("ok", value[, seconds the call ran here]) or ("error", traceback)."""
+Answer = tuple[int, str, Any, float]
+"""(call id, "ok" | "error", value or traceback, seconds the call ran here)."""
 
 
 class WorkerHost:
@@ -33,7 +34,9 @@ class WorkerHost:
         _configure_logging(int(env.get("RANK", "0")), log_levels or {})
         self.worker: Any = None
 
-    def start(self, kwargs: dict[str, Any], env: dict[str, str] | None = None) -> Answer:
+    def start(
+        self, call_id: int, kwargs: dict[str, Any], env: dict[str, str] | None = None
+    ) -> Answer:
         """Build the worker (collective: every rank of the group starts it at once); answers
         this process's pid."""
         from policyworker.worker import MegatronPolicyWorker
@@ -42,26 +45,27 @@ class WorkerHost:
         try:
             self.worker = MegatronPolicyWorker(**kwargs)
         except BaseException:
-            return "error", traceback.format_exc()
-        return "ok", os.getpid()
+            return call_id, "error", traceback.format_exc(), 0.0
+        return call_id, "ok", os.getpid(), 0.0
 
-    def execute(self, call: str, kwargs: dict[str, Any]) -> Answer:
+    def execute(self, call_id: int, call: str, kwargs: dict[str, Any]) -> Answer:
         """Run the worker's method `call` (a name from the driver's table of calls)."""
         if self.worker is None:
-            return "error", "the worker was not started"
+            return call_id, "error", "the worker was not started", 0.0
         start = time.perf_counter()
         try:
             value = to_host(getattr(self.worker, call)(**kwargs))
         except BaseException:
-            return "error", traceback.format_exc()
-        return "ok", value, time.perf_counter() - start
+            return call_id, "error", traceback.format_exc(), 0.0
+        return call_id, "ok", value, time.perf_counter() - start
 
     def close(self) -> None:
-        """Leave the process groups (NCCL warns at exit otherwise)."""
-        import torch.distributed as dist
+        """Shut the worker down (a pending async save is committed), leave the process groups."""
+        from policyworker.parallel.dims import destroy_parallel
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.worker is not None:
+            self.worker.shutdown()
+        destroy_parallel()
 
 
 def to_host(value: Any) -> Any:
@@ -76,18 +80,34 @@ def to_host(value: Any) -> Any:
 
 
 def serve(conn: Connection, env: dict[str, str], log_levels: dict[str, int]) -> None:
-    """A local worker process: answer `(kind, payload)` messages until "close" or EOF."""
+    """A local worker process: answer requests until "close" or EOF.
+
+    A request is two frames: the header `(call_id, kind)`, then the pickled payload. A payload
+    this process cannot unpickle (a class it cannot import) is answered as an error of that
+    call, so the driver names it and the process stays in step."""
     host = WorkerHost(env, log_levels)
     while True:
         try:
-            kind, payload = pickle.loads(conn.recv_bytes())
+            call_id, kind = pickle.loads(conn.recv_bytes())
+            payload_bytes = conn.recv_bytes()
         except EOFError:  # the driver went away
             return
         if kind == "close":
             host.close()
             return
-        answer = host.start(payload) if kind == "start" else host.execute(*payload)
+        try:
+            payload = pickle.loads(payload_bytes)
+        except BaseException:
+            answer: Answer = (call_id, "error", _unpickle_error(), 0.0)
+        else:
+            answer = (
+                host.start(call_id, payload) if kind == "start" else host.execute(call_id, *payload)
+            )
         conn.send_bytes(pickle.dumps(answer, protocol=5))
+
+
+def _unpickle_error() -> str:
+    return "the request's arguments do not unpickle in the worker:\n" + traceback.format_exc()
 
 
 def _configure_logging(rank: int, levels: dict[str, int]) -> None:

@@ -67,29 +67,37 @@ class LocalGroup(GroupState):
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
         answers = self._answers("start", timeout_s, check=False)
-        self._exchange(answers, [("start", kwargs)] * self.world_size)
+        self._call(answers, self._requests(answers, "start", [kwargs] * self.world_size))
 
     def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
         answers = self._answers(call, self.call_timeout_s)
-        return self._exchange(answers, [("call", (call, kw)) for kw in kwargs])
+        return self._call(answers, self._requests(answers, "call", [(call, kw) for kw in kwargs]))
 
-    def _exchange(self, answers: Answers, messages: list[Any]) -> list[Any]:
-        for rank, message in enumerate(messages):
-            try:
-                self._conns[rank].send_bytes(pickle.dumps(message, protocol=5))
-            except (BrokenPipeError, OSError) as e:
-                answers.died(rank, f"its process is gone ({e!r})")
+    @staticmethod
+    def _requests(answers: Answers, kind: str, payloads: list[Any]) -> list[tuple[bytes, bytes]]:
+        """Every rank's request, pickled before any is sent (a payload that does not pickle
+        fails the call with nothing sent)."""
+        header = pickle.dumps((answers.call_id, kind))
+        return [(header, pickle.dumps(p, protocol=5)) for p in payloads]
+
+    def _send(self, rank: int, answers: Answers, request: tuple[bytes, bytes]) -> None:
+        try:
+            for frame in request:
+                self._conns[rank].send_bytes(frame)
+        except (BrokenPipeError, OSError) as e:
+            answers.died(rank, f"its process is gone ({e!r})")
+
+    def _collect(self, answers: Answers) -> None:
         while not answers.done():
             wait_s = answers.wait_s()
             if wait_s is not None and wait_s <= 0:
-                break
+                return
             watched = {}
             for rank in answers.pending:
                 watched[self._conns[rank]] = rank
                 watched[self._procs[rank].sentinel] = rank
             for ready in wait(list(watched), wait_s):
                 self._take(watched[ready], answers)
-        return self._settle(answers)
 
     def _take(self, rank: int, answers: Answers) -> None:
         if rank not in answers.pending:
@@ -110,7 +118,8 @@ class LocalGroup(GroupState):
         for conn, proc in zip(self._conns, self._procs, strict=True):
             if proc.is_alive() and self.broken is None:
                 with contextlib.suppress(BrokenPipeError, OSError):
-                    conn.send_bytes(pickle.dumps(("close", None)))
+                    conn.send_bytes(pickle.dumps((0, "close")))
+                    conn.send_bytes(b"")
         for proc in self._procs:
             proc.join(10 if self.broken is None else 0.1)
             if proc.is_alive():

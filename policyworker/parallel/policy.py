@@ -11,22 +11,24 @@ every rank. A failed call raises `WorkerError` (rank, call, remote traceback).
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from policyworker.config import PolicyConfig
+from policyworker.config import PolicyConfig, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.losses.common import Loss
 from policyworker.model.hf_config import load_hf_config, model_shape
 from policyworker.parallel.dims import check_layout
 from policyworker.parallel.dispatch import Call, Output, Split, merge, split_rows
-from policyworker.parallel.group import WorkerGroup
+from policyworker.parallel.group import WorkerError, WorkerGroup
 from policyworker.parallel.local import LocalGroup, local_envs
 from policyworker.parallel.sharding import NamedSharding
 from policyworker.worker import MegatronPolicyWorker
@@ -34,6 +36,11 @@ from policyworker.worker import MegatronPolicyWorker
 log = logging.getLogger(__name__)
 
 BACKENDS = ("local", "ray")
+
+_OPEN: weakref.WeakSet[Policy] = weakref.WeakSet()
+"""Every Policy not shut down: shut down at interpreter exit (a pending async save is
+committed before the worker processes go)."""
+atexit.register(lambda: [policy.shutdown() for policy in list(_OPEN)])
 
 
 class _Dispatched:
@@ -112,8 +119,8 @@ class Policy:
             ("failure_timeout_s", failure_timeout_s),
             ("call_timeout_s", call_timeout_s),
         ):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name}: expected > 0, got {value!r}")
+            if value is not None and not (finite(value) and value > 0):
+                raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
         p = config.parallel
         self.mesh = NamedSharding.from_world(
             num_workers,
@@ -153,6 +160,7 @@ class Policy:
             self._group.shutdown()
             raise
         self._closed = False
+        _OPEN.add(self)
         log.info("policy: %d %s workers up, mesh %s", num_workers, backend, self.mesh)
 
     @property
@@ -206,9 +214,19 @@ class Policy:
     # --- lifecycle -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop every worker process (idempotent); nothing of the group is left running."""
-        if not self._closed:
-            self._closed = True
+        """Commit a pending async save, then stop every worker process (idempotent); nothing of
+        the group is left running. A broken group cannot commit: its pending save is lost."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._group.broken is None:
+                self._group.run("finalize_async_save", [{}] * self.world_size)
+            else:
+                log.warning("shutdown: the group is broken; a pending async save is lost")
+        except WorkerError as e:
+            log.warning("shutdown: a pending async save was not committed: %s", e)
+        finally:
             self._group.shutdown()
 
     def __enter__(self) -> Policy:

@@ -8,6 +8,7 @@ actor surfaces as Ray's `RayActorError` on its pending call, which fails the cal
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -17,6 +18,7 @@ from policyworker.parallel.group import Answers, GroupState
 from policyworker.parallel.host import WorkerHost
 
 _PLACEMENT_TIMEOUT_S = 120.0
+_CLOSE_TIMEOUT_S = 30.0
 
 
 class RayHost(WorkerHost):
@@ -94,42 +96,53 @@ class RayGroup(GroupState):
         self._master = {"MASTER_ADDR": host, "MASTER_PORT": str(port)}
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
-        refs = [
-            actor.start.remote({**kwargs, **init}, self._master)
-            for actor, init in zip(self._actors, self._init_kwargs, strict=True)
+        import ray
+
+        answers = self._answers("start", timeout_s, check=False)
+        requests = [
+            ("start", ray.put({**kwargs, **init}), self._master) for init in self._init_kwargs
         ]
-        self.pids = self._collect(self._answers("start", timeout_s, check=False), refs)
+        self.pids = self._call(answers, requests)
 
     def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
-        answers = self._answers(call, self.call_timeout_s)
-        refs = [
-            actor.execute.remote(call, kw) for actor, kw in zip(self._actors, kwargs, strict=True)
-        ]
-        return self._collect(answers, refs)
-
-    def _collect(self, answers: Answers, refs: list[Any]) -> list[Any]:
         import ray
-        from ray.exceptions import RayError
 
-        pending = {ref: rank for rank, ref in enumerate(refs)}
+        answers = self._answers(call, self.call_timeout_s)
+        # Every rank's arguments are serialized before any call is submitted: an argument that
+        # does not serialize fails the call with nothing sent.
+        return self._call(answers, [("execute", call, ray.put(kw)) for kw in kwargs])
+
+    def _send(self, rank: int, answers: Answers, request: tuple[Any, ...]) -> None:
+        method, *args = request
+        ref = getattr(self._actors[rank], method).remote(answers.call_id, *args)
+        answers.handles[ref] = rank
+
+    def _collect(self, answers: Answers) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayError
+
         while not answers.done():
             wait_s = answers.wait_s()
             if wait_s is not None and wait_s <= 0:
-                break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
+                return
+            ready, _ = ray.wait(list(answers.handles), num_returns=1, timeout=wait_s)
             for ref in ready:
-                rank = pending.pop(ref)
+                rank = answers.handles.pop(ref)
                 try:
                     answers.add(rank, ray.get(ref))
-                except RayError as e:  # the actor died (or Ray lost it)
+                except RayActorError as e:  # the actor died (or Ray lost it)
                     answers.died(rank, f"{type(e).__name__}: {e}")
-        return self._settle(answers)
+                except RayError as e:  # e.g. arguments the actor could not deserialize
+                    answers.add(rank, (answers.call_id, "error", f"{type(e).__name__}: {e}", 0.0))
 
     def shutdown(self) -> None:
         """Kill the actors, free the placement group; stop Ray if this driver started it."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self.broken is None and self._actors:  # let each leave its process groups
+            with contextlib.suppress(Exception):
+                ray.get([a.close.remote() for a in self._actors], timeout=_CLOSE_TIMEOUT_S)
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         if self._pg is not None:

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from policyworker.refit.layout import RefitError
+
 
 class SharedBuffer:
     """A uint8 buffer of `nbytes` on `device` that another process can map."""
@@ -31,6 +33,7 @@ class SharedBuffer:
             self._handle: dict[str, Any] = {"kind": "cuda", "args": reduce_tensor(self.tensor)[1]}
         else:  # a file in shared memory, mapped by both sides
             self._path = os.path.join(_SHM_DIR, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+            _allocate(self._path, nbytes)
             self.tensor = _map(self._path, nbytes)
             self._handle = {"kind": "shm", "path": self._path}
             weakref.finalize(self, _unlink, self._path)  # also at exit; see remove_leftovers
@@ -82,6 +85,45 @@ def remove_leftovers(pid: int) -> None:
     """Remove the CPU buffers of process `pid`, which died without cleaning up (killed)."""
     for path in glob.glob(os.path.join(_SHM_DIR, f"{_PREFIX}{pid}-*")):
         _unlink(path)
+
+
+def sweep_dead() -> None:
+    """Remove the shared buffers and IPC socket files that processes which no longer exist
+    left behind (killed mid-refit: nothing of theirs could clean up)."""
+    paths = glob.glob(os.path.join(_SHM_DIR, f"{_PREFIX}*-*"))
+    paths += glob.glob(os.path.join(tempfile.gettempdir(), f"{_PREFIX}*-*.sock"))
+    for path in paths:
+        pid = os.path.basename(path)[len(_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            _unlink(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _allocate(path: str, nbytes: int) -> None:
+    """Create the file with all its bytes reserved: a full /dev/shm is then an error here, not
+    a SIGBUS when a mapped page is first written."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, max(nbytes, 1))
+    except OSError as e:
+        _unlink(path)
+        free = os.statvfs(_SHM_DIR)
+        raise RefitError(
+            f"refit: {_SHM_DIR} has no room for a shared buffer of {nbytes} bytes "
+            f"({free.f_bavail * free.f_frsize} bytes free: {e.strerror}); enlarge it (docker: "
+            "--shm-size) or lower refit.buffer_size_bytes"
+        ) from None
+    finally:
+        os.close(fd)
 
 
 def _map(path: str, nbytes: int) -> torch.Tensor:

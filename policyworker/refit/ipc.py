@@ -20,6 +20,8 @@ are in docs/refit.md.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -66,6 +68,14 @@ class RefitReport:
     @property
     def gbps(self) -> float:
         return self.bytes / max(self.seconds, 1e-12) / 1e9
+
+
+def remove_socket_file(address: str) -> None:
+    """The file of an `ipc://` endpoint this process bound (ZMQ leaves it when the socket
+    closes); the next refit binds it again."""
+    if address.startswith("ipc://"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address[len("ipc://") :])
 
 
 def _socket(kind: int, timeout_s: float) -> zmq.Socket:
@@ -187,6 +197,7 @@ def send_ipc(
         raise
     finally:
         sock.close()
+        remove_socket_file(address)
     return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
 

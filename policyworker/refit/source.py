@@ -10,12 +10,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from policyworker.config import RefitConfig
+from policyworker.config import RefitConfig, finite
 from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups
+from policyworker.refit.buffers import sweep_dead
 from policyworker.refit.collective import broadcast_refit, join_refit_group
 from policyworker.refit.export import model_tensors, owners, refit_info
-from policyworker.refit.ipc import IpcLink, RefitReport, send_ipc
+from policyworker.refit.ipc import IpcLink, RefitReport, remove_socket_file, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo
 from policyworker.refit.reshard import Member, ReshardGroup, report
 
@@ -27,8 +28,8 @@ def check_refit_args(buffer_size_bytes: int, timeout_s: float | None, num_buffer
     size = buffer_size_bytes
     if not isinstance(size, int) or not (size == 0 or size >= 512):
         raise ValueError(f"buffer_size_bytes: expected 0 (auto) or an int >= 512, got {size!r}")
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"refit_timeout_s: expected > 0, got {timeout_s!r}")
+    if timeout_s is not None and not (finite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"refit_timeout_s: expected a finite number > 0, got {timeout_s!r}")
     if not isinstance(num_buffers, int) or num_buffers < 1:
         raise ValueError(f"num_buffers: expected an int >= 1, got {num_buffers!r}")
 
@@ -63,6 +64,12 @@ class RefitSource:
         self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
         self.link = IpcLink(self.address)  # the receiver's staging areas, kept mapped
+        sweep_dead()
+
+    def close(self) -> None:
+        """Drop the receiver's mappings and this rank's endpoint file (idempotent)."""
+        self.link.reset()
+        remove_socket_file(self.address)
 
     def info(self) -> RefitInfo:
         """Refit info of the whole model (collective over the pipeline group the first time)."""

@@ -195,3 +195,42 @@ def build_scheduler(
         wd_incr_steps=sched.decay_steps,
         wd_incr_style="constant",
     )
+
+
+def restore_schedule(
+    optimizer: MegatronOptimizer,
+    scheduler: OptimizerParamScheduler,
+    saved: dict,
+    opt: OptimizerConfig,
+    sched: SchedulerConfig,
+) -> list[str]:
+    """After a checkpoint's optimizer state is loaded: the schedule exactly as saved — its step
+    count and every setting (lr, min_lr, warm-up, decay, weight decay; betas and eps came with
+    the optimizer state) — whatever the worker did before. (megatron's own load adds the saved
+    step count to the live one and takes weight decay from the live scheduler.)
+
+    Returns "setting: config -> checkpoint" for each setting where the config differs."""
+    groups = [g for part in optimizer_parts(optimizer) for g in part.optimizer.param_groups]
+    differ = {
+        "lr": (opt.lr, saved["max_lr"]),
+        "min_lr": (opt.min_lr, saved["min_lr"]),
+        "weight_decay": (opt.weight_decay, saved["start_wd"]),
+        "warmup_steps": (sched.warmup_steps, saved["lr_warmup_steps"]),
+        "decay_steps": (sched.decay_steps, saved["lr_decay_steps"]),
+        "style": (sched.style, saved["lr_decay_style"]),
+        "betas": (tuple(opt.betas), tuple(groups[0]["betas"]) if groups else tuple(opt.betas)),
+        "eps": (opt.eps, groups[0]["eps"] if groups else opt.eps),
+    }
+    scheduler.max_lr, scheduler.min_lr = saved["max_lr"], saved["min_lr"]
+    scheduler.init_lr = 0.0 if saved["lr_warmup_steps"] else saved["max_lr"]
+    scheduler.lr_warmup_steps = saved["lr_warmup_steps"]
+    scheduler.lr_decay_steps = saved["lr_decay_steps"]
+    scheduler.lr_decay_style = saved["lr_decay_style"]
+    scheduler.start_wd, scheduler.end_wd = saved["start_wd"], saved["end_wd"]
+    scheduler.wd_incr_steps = saved["wd_incr_steps"]
+    scheduler.wd_incr_style = saved["wd_incr_style"]
+    for group in groups:
+        group["max_lr"], group["min_lr"] = saved["max_lr"], saved["min_lr"]
+    scheduler.num_steps = 0
+    scheduler.step(increment=int(saved["num_steps"]))
+    return [f"{k}: {c!r} -> {s!r}" for k, (c, s) in differ.items() if c != s]

@@ -1,0 +1,105 @@
+"""Faults around the worker: a script that just ends, file systems that fill up, files that
+killed processes leave behind."""
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from conftest import make_worker
+from helpers import clean_env
+
+from policyworker.generation.process import GenerationProcess
+from policyworker.refit import buffers
+
+HERE = Path(__file__).parent
+
+
+def test_a_script_that_just_ends_commits_its_async_save_and_exits_cleanly(llama_dir, tmp_path):
+    """Under torchrun (CP2, packed): no finalize, no shutdown, no destroy_process_group; both
+    ranks exit 0, the pending async save is committed and loads, nothing is left behind."""
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(HERE / "exit_script.py"), str(llama_dir), str(ckpt)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["optim", "weights"]  # no temporary dirs
+    worker = make_worker(llama_dir, max_total_sequence_length=32)
+    worker.load_checkpoint(ckpt / "weights", ckpt / "optim")
+    assert worker.state.scheduler.num_steps == 1
+
+
+def _can_mount() -> bool:
+    probe = ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"]
+    return shutil.which("unshare") is not None and subprocess.run(probe).returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount(), reason="needs root for a private mount namespace")
+def test_full_disk_and_small_shared_memory_fail_cleanly(llama_dir, tmp_path):
+    """A save into a full file system: `CheckpointSaveError` naming the directory and "no
+    space", no temporary files left; a save elsewhere then works. A refit with too little
+    /dev/shm: `RefitError` naming /dev/shm and the bytes (no SIGBUS), on both IPC paths."""
+    small, roomy = tmp_path / "small", tmp_path / "roomy"
+    small.mkdir(), roomy.mkdir()
+    script = f"{sys.executable} {HERE / 'small_fs.py'} {llama_dir} {small} {roomy}"
+    mounts = (
+        f"mount -t tmpfs -o size=64k tmpfs {small} && mount -t tmpfs -o size=32k tmpfs /dev/shm"
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f"{mounts} && {script}"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for case in ("sync", "async"):
+        assert out[case]["type"] == "CheckpointSaveError", out[case]
+        assert (
+            f"save to {small}" in out[case]["message"] and "no space left" in out[case]["message"]
+        )
+        assert out[f"after_{case}"] == []
+    assert out["roomy"]["type"] == "" and (roomy / "w" / "policyworker.json").is_file()
+    for side in ("trainer_direct", "engine_direct", "trainer_buffers"):
+        assert out[side]["type"] == "RefitError", out[side]
+        assert "/dev/shm has no room for a shared buffer of" in out[side]["message"], side
+    assert out["engine_buffers"]["type"] == "RefitError"  # the trainer never sent
+    assert out["after_refit"] == []
+
+
+def _dead_pid() -> int:
+    proc = mp.get_context("spawn").Process(target=int)
+    proc.start()
+    proc.join()
+    return proc.pid
+
+
+def test_refit_files_are_removed_and_dead_processes_files_swept(llama_dir):
+    """A refit leaves no endpoint file; files of a killed process are swept by the next
+    trainer that starts; a shut down worker leaves nothing of its own."""
+    dead = _dead_pid()
+    leftovers = [
+        Path(buffers._SHM_DIR) / f"policyworker-refit-{dead}-0123abcd",
+        Path(tempfile.gettempdir()) / f"policyworker-refit-{dead}-0.sock",
+    ]
+    for path in leftovers:
+        path.write_bytes(b"x")
+    worker = make_worker(llama_dir)
+    assert not any(p.exists() for p in leftovers)
+    info = worker.prepare_refit_info()
+    for shared in (True, False):
+        with GenerationProcess(str(llama_dir), info, shared_staging=shared) as gen:
+            gen.begin_refit_ipc(worker.get_zmq_address())
+            worker.stream_weights_via_ipc_zmq(buffer_size_bytes=8192)
+            gen.end_refit()
+    mine = f"policyworker-refit-{os.getpid()}-"
+    assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(mine)]
+    assert not [f for f in os.listdir(buffers._SHM_DIR) if f.startswith(mine)]
+    worker.shutdown()
+    worker.shutdown()  # idempotent
