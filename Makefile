@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: setup test demo lint format clean lock
+.PHONY: setup test test-fast demo lint format clean lock
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ lock:
 test: $(STAMP)
 	$(PY) -m ruff check policyworker tests benchmarks gpu_tests
 	$(PY) -m pytest -q
+
+# The tests that start no process: pure parts and one in-process worker (CONTRIBUTING.md).
+test-fast: $(STAMP)
+	$(PY) -m ruff check policyworker tests benchmarks gpu_tests
+	$(PY) -m pytest -q -m "not processes"
 
 demo: $(STAMP)
 	$(PY) -m policyworker demo --out runs/demo

@@ -22,10 +22,12 @@ Prints one JSON line: real (unpadded) tokens per second of each, the ratios, pea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -73,6 +75,16 @@ def run(worker: object, data: object, steps: int) -> dict[str, float]:
     }
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     return out
+
+
+def use_plan(worker: Any, plan: Any, *, mbs: int, gbs: int | None = None) -> None:
+    """Run a built worker with the bench's plan and sizes (its trainer and collector hold their
+    own references to the plan and the default sizes)."""
+    worker.plan = worker.trainer.plan = plan
+    worker.collector = dataclasses.replace(worker.collector, plan=plan)
+    worker.cfg.logprob_batch_size = mbs
+    settings = worker.trainer.settings
+    worker.trainer.settings = dataclasses.replace(settings, mbs=mbs, gbs=gbs or settings.gbs)
 
 
 def main() -> None:
@@ -134,8 +146,7 @@ def main() -> None:
     }
     results = {}
     for name, plan in plans.items():
-        worker.plan = plan
-        worker.cfg.train_micro_batch_size = worker.cfg.logprob_batch_size = rows_padded
+        use_plan(worker, plan, mbs=rows_padded)
         results[name] = run(worker, data, args.steps)
         free()
     # No waste: equal 2048-token rows, budget / 2048 per micro-batch, about as many tokens.
@@ -147,9 +158,7 @@ def main() -> None:
         token_mask=torch.ones(n_full, seq),
         sample_mask=torch.ones(n_full),
     )
-    worker.plan = FixedSize()
-    worker.cfg.train_micro_batch_size = worker.cfg.logprob_batch_size = args.budget // seq
-    worker.cfg.train_global_batch_size = n_full
+    use_plan(worker, FixedSize(), mbs=args.budget // seq, gbs=n_full)
     results["no_waste"] = run(worker, full, args.steps)
     tokens = {name: real_tokens for name in plans}
     tokens["no_waste"] = n_full * seq

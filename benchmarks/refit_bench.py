@@ -104,7 +104,7 @@ def bench(size: str, repeats: int) -> dict[str, object]:
         "params": n_params,
         "bytes": nbytes,
         "tensors": len(info),
-        "buffer_bytes": worker.refit._default_buffer_bytes(),
+        "buffer_bytes": worker.refit._bucket_bytes(None),
         "ours_s": with_sum,
         "ours_gbps": nbytes / with_sum / GB,
         "ours_no_checksum_s": without_sum,

@@ -26,10 +26,10 @@ _HOME = {
     "MegatronPolicyWorker": "policyworker.worker",
     "NLLLoss": "policyworker.losses",
     "PhaseError": "policyworker.memory.residency",
-    "Policy": "policyworker.parallel.policy",
+    "Policy": "policyworker.driver.policy",
     "PolicyConfig": "policyworker.config",
     "RefitError": "policyworker.refit.layout",
-    "WorkerError": "policyworker.parallel.group",
+    "WorkerError": "policyworker.driver.group",
     "load_config": "policyworker.config",
 }
 
@@ -71,6 +71,8 @@ if TYPE_CHECKING:
     from policyworker.config import PolicyConfig, load_config
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.data.contract import BatchValidationError
+    from policyworker.driver.group import WorkerError
+    from policyworker.driver.policy import Policy
     from policyworker.generation.process import GenerationProcess
     from policyworker.losses import (
         ClippedPGConfig,
@@ -83,7 +85,5 @@ if TYPE_CHECKING:
         NLLLoss,
     )
     from policyworker.memory.residency import PhaseError
-    from policyworker.parallel.group import WorkerError
-    from policyworker.parallel.policy import Policy
     from policyworker.refit.layout import RefitError
     from policyworker.worker import MegatronPolicyWorker

@@ -1,22 +1,36 @@
-"""How a worker is put together: its state (model, DDP, optimizer, scheduler, reference) and the
-services built on views of it (refit source, memory residency, checkpointer). Built once."""
+"""How a worker is put together: its layout, its state (model, DDP, optimizer, scheduler,
+reference) and the services built on views of it (trainer, collector, refit source, memory
+residency, checkpointer). Built once; a worker is shut down at interpreter exit."""
 
 from __future__ import annotations
 
+import atexit
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 
 from policyworker.checkpoint.checkpointer import Checkpointer, Trainee
+from policyworker.compat import apply_cpu_patches
 from policyworker.config import PolicyConfig
+from policyworker.data.microbatch import MicrobatchPlan, build_plan
 from policyworker.memory.residency import Residency
 from policyworker.model.build import build_gpt_model, global_named_parameters
-from policyworker.model.hf_config import ModelShape
+from policyworker.model.hf_config import (
+    ModelShape,
+    check_layout,
+    check_sliding_window,
+    load_hf_config,
+    model_shape,
+)
 from policyworker.model.reference import ReferenceWeights
-from policyworker.model.weights import SafetensorsReader, load_hf_weights
-from policyworker.parallel.dims import Groups, ParallelDims
+from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_hf_weights
+from policyworker.parallel.dims import Groups, ParallelDims, setup_parallel
 from policyworker.refit.source import RefitSource
+from policyworker.train.inference import Collector
 from policyworker.train.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -24,6 +38,9 @@ from policyworker.train.optimizer import (
     optimizer_tensors,
     wrap_ddp,
 )
+from policyworker.train.trainer import Trainer, TrainSettings
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +69,32 @@ class PolicyState:
     @property
     def forward_model(self) -> torch.nn.Module:
         return self.ddp if self.ddp is not None else self.model
+
+
+def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights: bool) -> Parts:
+    """Check the model and layout (before anything is built), then set up the process groups,
+    the seeds and the device."""
+    hf_config = load_hf_config(config.model_name, require_weights=require_weights)
+    shape = model_shape(hf_config)
+    check_sliding_window(hf_config, config.max_total_sequence_length)
+    check_layout(config.parallel, shape)
+    if hf_weights is not None:
+        field = "model_name" if hf_weights == config.model_name else "weights_path"
+        check_hf_folder(hf_weights, hf_config, shape, field=field)
+    apply_cpu_patches()
+    dims, groups = setup_parallel(config.parallel)
+    torch.manual_seed(config.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    cuda = torch.cuda.is_available()
+    return Parts(
+        cfg=config,
+        hf_config=hf_config,
+        shape=shape,
+        dims=dims,
+        groups=groups,
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        dtype=_DTYPES[config.precision],
+    )
 
 
 def build_state(
@@ -123,3 +166,57 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
         trainee, verify_integrity=ckpt.verify_integrity, writer_threads=ckpt.writer_threads
     )
     return refit, memory, checkpoints
+
+
+def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer | None:
+    """The optimizer step's owner (None for a worker without an optimizer)."""
+    if state.ddp is None:
+        return None
+    c = w.cfg
+    settings = TrainSettings(
+        gbs=c.train_global_batch_size,
+        mbs=c.train_micro_batch_size,
+        temperature=c.temperature,
+        max_grad_norm=c.max_grad_norm,
+        vocab_size=w.shape.vocab_size,
+    )
+    return Trainer(
+        ddp=state.ddp,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        plan=plan,
+        groups=w.groups,
+        dp=w.dims.dp,
+        device=w.device,
+        settings=settings,
+    )
+
+
+def build_collector(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Collector:
+    return Collector(
+        model=state.forward_model,
+        plan=plan,
+        groups=w.groups,
+        device=w.device,
+        temperature=w.cfg.temperature,
+        vocab_size=w.shape.vocab_size,
+    )
+
+
+def micro_batch_plan(w: Parts) -> MicrobatchPlan:
+    return build_plan(w.cfg, w.dims, w.groups)
+
+
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_EXIT_HOOK: list[Callable[[], None]] = []
+
+
+def shutdown_at_exit(worker: Any) -> None:
+    """Call `worker.shutdown()` at interpreter exit unless it ran before (a script that just
+    ends still commits its pending async save, and joins its writer threads while the
+    interpreter can still run them). Registered after `setup_parallel`'s hook, so it runs
+    before the process groups are destroyed."""
+    if not _EXIT_HOOK:
+        _EXIT_HOOK.append(lambda: [w.shutdown() for w in list(_LIVE)])
+        atexit.register(_EXIT_HOOK[0])
+    _LIVE.add(worker)

@@ -1,6 +1,6 @@
 """Command line: `python -m policyworker demo [--out DIR] [--model DIR --data FILE] [key=value ...]`
-`python -m policyworker refit-check --model DIR` (see `policyworker.refit.check`) and
-`python -m policyworker export --checkpoint DIR --out HF_DIR` (see `policyworker.checkpoint.export`).
+`python -m policyworker refit-check --model DIR` (see `policyworker.tools.refit_check`) and
+`python -m policyworker export --checkpoint DIR --out HF_DIR` (see `policyworker.tools.export`).
 
 Extra `key=value` arguments are dotted overrides of `DemoConfig` (e.g. `grpo_steps=10`,
 `loss.ratio_clip_max=0.28`). Bad input — an unknown or ill-typed option, a missing model folder,
@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from policyworker.config import load_config
+from policyworker.logs import VERBOSE_ENV, quiet_third_party
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="policyworker")
+    parser.add_argument(
+        "--verbose", action="store_true", help="also the notices of megatron-core, torch, HF"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="SFT warm-up then GRPO (built-in addition task by default)")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
@@ -40,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--checkpoint", required=True, help="weights dir of save_checkpoint")
     export.add_argument("--out", required=True, help="Hugging Face folder to write")
     args = parser.parse_args(argv)
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # the worker processes too
+    quiet_third_party()
     if args.command == "refit-check":
         _refit_check(check, args)
         return
@@ -77,7 +85,7 @@ def _refit_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         parser.exit(2, f"{parser.prog}: error: --model: no config.json in {args.model}\n")
     if args.buffer_size < 0 or args.timeout <= 0:
         parser.exit(2, f"{parser.prog}: error: --buffer-size >= 0 and --timeout > 0 expected\n")
-    from policyworker.refit.check import CheckOptions, main
+    from policyworker.tools.refit_check import CheckOptions, main
 
     try:
         opts = CheckOptions(
@@ -102,7 +110,7 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         read_manifest(Path(args.checkpoint), "--checkpoint")
     except CheckpointError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    from policyworker.checkpoint.export import export_checkpoint
+    from policyworker.tools.export import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.out))
 

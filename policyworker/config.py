@@ -64,7 +64,7 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SchedulerConfig:
-    """Learning-rate schedule; one step per `train()` call (megatron's OptimizerParamScheduler)."""
+    """Learning-rate schedule; one step per global batch (megatron's OptimizerParamScheduler)."""
 
     style: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up: none, linear to `min_lr`, or cosine to `min_lr`."""

@@ -30,3 +30,29 @@ def make_worker(folder: Path, **overrides: object) -> MegatronPolicyWorker:
     )
     kw.update(overrides)
     return MegatronPolicyWorker(PolicyConfig(**kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(autouse=True)
+def _processes_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Keep the tiers honest: a test that starts a process (subprocess, spawn, torchrun, Ray)
+    must be marked `processes` (`make test-fast` leaves those out)."""
+    import multiprocessing.process
+    import subprocess
+
+    started: list[str] = []
+    popen_init = subprocess.Popen.__init__
+    process_start = multiprocessing.process.BaseProcess.start
+
+    def popen(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        started.append("a subprocess")
+        popen_init(self, *args, **kwargs)
+
+    def start(self):  # type: ignore[no-untyped-def]
+        started.append("a multiprocessing process")
+        process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
+    yield
+    if started and request.node.get_closest_marker("processes") is None:
+        pytest.fail(f"{request.node.name} started {started[0]}: mark it @pytest.mark.processes")

@@ -1,13 +1,17 @@
-"""One parallel layout's results, for `test_parallel.py`: run under torchrun, rank 0 saves them.
+"""Parallel layouts' results, for `test_parallel.py`: under one torchrun launch, each layout in
+turn (megatron's groups are set up anew for each); rank 0 saves them.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUT.pt TP PP [pack] [distopt] [sp] [cp] [split]
+    python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUTDIR \
+        NAME:TP:PP[:flag,flag...] ...        (flags: pack, distopt, sp, cp, split)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
-batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them).
+batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them) to
+OUTDIR/NAME.pt and the HF export to OUTDIR/NAME.hf.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -125,9 +129,7 @@ def fixed_batch(vocab: int) -> BatchedDataDict:
     return make_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=5, lengths=LENGTHS)
 
 
-def main() -> None:
-    model, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    flags = sys.argv[5:]
+def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> None:
     worker = MegatronPolicyWorker(
         config(
             model,
@@ -152,10 +154,23 @@ def main() -> None:
         if isinstance(v, torch.Tensor)
     }
     full["train"] = [s["train"] for s in shards]
-    worker.save_hf_pretrained(Path(out).with_suffix(".hf"))  # collective
+    worker.save_hf_pretrained(out.with_suffix(".hf"))  # collective
     full["dims"] = worker.dims
     if dist.get_rank() == 0:
         torch.save(full, out)
+    worker.shutdown()
+
+
+def main() -> None:
+    from megatron.core import parallel_state
+
+    model, out = sys.argv[1], Path(sys.argv[2])
+    for spec in sys.argv[3:]:
+        name, tp, pp, *rest = spec.split(":")
+        flags = rest[0].split(",") if rest and rest[0] else []
+        run_layout(model, out / f"{name}.pt", int(tp), int(pp), flags)
+        parallel_state.destroy_model_parallel()  # the next layout sets up its own groups
+        gc.collect()
     dist.destroy_process_group()
 
 

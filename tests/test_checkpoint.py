@@ -5,6 +5,7 @@ the HF export."""
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def _assert_close(saved: dict, resumed: dict, rel: float = 1e-5) -> None:
     torch.testing.assert_close(resumed["lp_final"], saved["lp_final"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_exact_resume_and_reshard_on_load(layout, model_dir, tmp_path):
     """Save at step 1 (sync and async), run 3 more steps; a fresh 2-rank process loads step 1
@@ -80,6 +82,7 @@ def test_exact_resume_and_reshard_on_load(layout, model_dir, tmp_path):
     _assert_close(saved, run_resume(single, ckpt))
 
 
+@pytest.mark.processes
 def test_one_rank_checkpoint_loads_into_tp2(model_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     saved = run_save(MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1)), ckpt)
@@ -98,7 +101,7 @@ def saved(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 
 def _copy(src: Path, dst: Path) -> Path:
-    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    shutil.copytree(src, dst)
     return dst
 
 
@@ -164,6 +167,7 @@ def test_save_argument_errors(saved, model_dir, tmp_path):
     assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("point", ["checkpoint.write", "checkpoint.commit"])
 def test_killed_during_a_save_leaves_the_previous_checkpoint(model_dir, tmp_path, mode, point):

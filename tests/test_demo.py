@@ -11,6 +11,7 @@ from policyworker.cli import main
 from policyworker.demo.grpo import group_advantages
 
 
+@pytest.mark.processes
 def test_demo_smoke(tmp_path):
     out = tmp_path / "run"
     main(
@@ -48,6 +49,7 @@ def _demo_rows(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "refit_s"} for r in rows]  # refit_s: a timing
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("resume_at", [3, 5])
 def test_demo_resumes_with_the_same_rows(tmp_path, resume_at):
     """Resumed from step_N (in SFT, or in GRPO), the run writes the rows of an uninterrupted run:
@@ -67,6 +69,7 @@ def test_group_advantages():
     assert adv[4:] == [0.0, 0.0]
 
 
+@pytest.mark.processes
 def test_demo_on_a_user_checkpoint_and_jsonl(tmp_path):
     """--model/--data: the user's HF folder (with its tokenizer) and prompt/answer pairs."""
     from policyworker.demo.grpo import tiny_llama
@@ -112,6 +115,7 @@ def test_bad_jsonl_names_the_line(tmp_path):
         load_jsonl(path)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_demo_through_two_workers_matches_one(tmp_path, backend):
     """workers=2 (data parallel through the driver), local processes or Ray actors: the same SFT
@@ -191,6 +195,7 @@ def test_bad_user_inputs_exit_2_before_any_work(tmp_path, capsys):
         assert not out.exists()
 
 
+@pytest.mark.processes
 def test_a_rerun_after_a_crash_continues_and_destroys_nothing(tmp_path, capsys):
     """A run killed between a checkpoint's commit and its loop.json: the same command again
     continues from the last complete step, replaces the incomplete one and ends with the rows

@@ -15,10 +15,12 @@ from helpers import make_batch, make_hf_model
 from policyworker import Policy, WorkerError
 from policyworker.config import ParallelConfig, PolicyConfig
 from policyworker.data.contract import BatchValidationError
+from policyworker.driver.dispatch import Split, balanced_split, split_rows
 from policyworker.losses import ClippedPGLoss
-from policyworker.parallel.dispatch import Split, balanced_split, split_rows
-from policyworker.parallel.sharding import NamedSharding
+from policyworker.parallel.dims import ParallelDims
 from policyworker.worker import MegatronPolicyWorker
+
+pytestmark = pytest.mark.processes
 
 LENGTHS = [12, 11, 12, 10, 3, 4, 2, 5]
 TOPK = 4
@@ -82,33 +84,32 @@ def assert_gone(pids: list[int]) -> None:
 # --- named sharding and the batch plumbing (no processes) -----------------------------------------
 
 
-def test_named_sharding_follows_megatrons_rank_order():
-    mesh = NamedSharding.from_world(8, tensor_parallel=2, pipeline_parallel=2)
-    assert mesh.data_parallel == 2 and mesh.shape == (2, 2, 1, 2)
+def test_the_mesh_follows_megatrons_rank_order():
+    mesh = ParallelDims.from_world(world_size=8, tp=2, pp=2, cp=1)
+    assert mesh.dp == 2 and mesh.shape == (2, 2, 1, 2)
     # megatron: rank = ((pp * DP + dp) * CP + cp) * TP + tp
     for r in range(8):
         c = mesh.coords(r)
-        assert (
-            r == ((c["pipeline_parallel"] * 2 + c["data_parallel"]) * 1) * 2 + c["tensor_parallel"]
-        )
+        assert r == ((c["pp"] * 2 + c["dp"]) * 1) * 2 + c["tp"]
         assert mesh.rank(**c) == r
-    assert mesh.ranks_along("tensor_parallel", 5) == [4, 5]
-    assert mesh.ranks_along("pipeline_parallel", 1) == [1, 5]
-    assert mesh.ranks_along("data_parallel", 0) == [0, 2]
+    assert mesh.ranks_along("tp", 5) == [4, 5]
+    assert mesh.ranks_along("pp", 1) == [1, 5]
+    assert mesh.ranks_along("dp", 0) == [0, 2]
     assert mesh.replica(1) == [2, 3, 6, 7] and mesh.leader(1) == 2
 
 
 @pytest.mark.parametrize(
     ("world", "sizes", "field"),
     [
-        (3, {"tensor_parallel": 2}, "num_workers"),
+        (3, {"tp": 2}, "num_workers"),
         (0, {}, "num_workers"),
-        (4, {"context_parallel": 0}, "context_parallel"),
+        (4, {"cp": 0}, "context_parallel"),
     ],
 )
-def test_named_sharding_refuses_bad_sizes(world, sizes, field):
+def test_the_mesh_refuses_bad_sizes(world, sizes, field):
+    sizes = {"tp": 1, "pp": 1, "cp": 1, **sizes}
     with pytest.raises(ValueError, match=field):
-        NamedSharding.from_world(world, **sizes)
+        ParallelDims.from_world(world_size=world, world_field="num_workers", **sizes)
 
 
 def test_shards_are_equal_in_rows_balanced_in_tokens_and_keep_examples_whole():

@@ -17,6 +17,8 @@ from helpers import clean_env
 from policyworker.generation.process import GenerationProcess
 from policyworker.refit import buffers
 
+pytestmark = pytest.mark.processes
+
 HERE = Path(__file__).parent
 
 

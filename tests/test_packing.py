@@ -14,10 +14,10 @@ from policyworker.data.packing import (
     PACKERS,
     PackedLayout,
     concatenative,
-    packed_positions,
     sorted_cuts,
 )
 from policyworker.losses import ClippedPGConfig, ClippedPGLoss, DPOLoss, NLLLoss
+from policyworker.ops.packed import packed_positions
 
 # --- the packers ---------------------------------------------------------------------------------
 
@@ -269,7 +269,7 @@ def test_fillers_add_no_loss_and_no_gradient(llama_dir, packed):
     for with_filler in (False, True):
         worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-3), **extra)
         if with_filler:
-            worker.plan = _WithFiller(worker.plan)
+            worker.plan = worker.trainer.plan = _WithFiller(worker.plan)
         m = worker.train(_data(), ClippedPGLoss(), gbs=8, mbs=4)
         results.append(
             (m, {n: p.detach().clone() for n, p in worker.state.model.named_parameters()})

@@ -14,6 +14,8 @@ from multirank import config, fixed_batch, layout_results
 
 from policyworker.worker import MegatronPolicyWorker
 
+pytestmark = pytest.mark.processes
+
 VOCAB = 128
 # (tp, pp, flags); dp is what remains of 2. Every layout compares to the single rank, which runs
 # unpacked with the plain optimizer.
@@ -47,51 +49,68 @@ def single(tied_dir: Path) -> dict[str, object]:
     return layout_results(worker, fixed_batch(VOCAB))
 
 
-def run_layout(
-    folder: Path, out: Path, tp: int, pp: int, flags: tuple[str, ...], nproc: int = 2
-) -> dict[str, object]:
+def launch(
+    folder: Path, out: Path, layouts: dict[str, tuple[int, int, tuple[str, ...]]], nproc: int
+) -> None:
+    """Every layout of `layouts` in one torchrun launch of `nproc` ranks (multirank.py)."""
     script = Path(__file__).parent / "multirank.py"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-    ]
-    cmd += [str(script), str(folder), str(out), str(tp), str(pp), *flags]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", str(script), str(folder), str(out)]
+    cmd += [f"{name}:{tp}:{pp}:{','.join(flags)}" for name, (tp, pp, flags) in layouts.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+
+
+FOUR_RANKS = {"tp2-pp2-sp-packed": (2, 2, ("sp", "pack")), "cp2-tp2-packed": (2, 1, ("cp", "pack"))}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The results of every two-rank layout, from one launch (each test reads its own)."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    launch(tied_dir, out, LAYOUTS, nproc=2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tied_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("four_ranks")
+    launch(tied_dir, out, FOUR_RANKS, nproc=4)
+    return out
+
+
+def results(out: Path, name: str) -> dict[str, object]:
+    return torch.load(out / f"{name}.pt", weights_only=False)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_rank(layout, tied_dir, single, tmp_path):
+def test_layout_matches_single_rank(layout, tied_dir, single, two_ranks, tmp_path):
     tp, pp, flags = LAYOUTS[layout]
-    got = run_layout(tied_dir, tmp_path / "out.pt", tp, pp, flags)
+    got = results(two_ranks, layout)
     cp = 2 if "cp" in flags else 1
     assert (got["dims"].tp, got["dims"].pp, got["dims"].cp) == (tp, pp, cp)
     assert got["dims"].dp == 2 // (tp * pp * cp)
-    _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=pp)
+    _assert_matches(got, single, tied_dir, VOCAB, two_ranks / f"{layout}.hf", pp=pp)
     if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks
         whole = single["train"][-1]["optimizer_state_bytes"]
         for rank_metrics in got["train"]:
             assert rank_metrics[-1]["optimizer_state_bytes"] <= 0.6 * whole
 
 
-def test_tp2_by_pp2_on_four_ranks(tied_dir, single, tmp_path):
+def test_tp2_by_pp2_on_four_ranks(tied_dir, single, four_ranks):
     """The 4-rank composition: two pipeline stages, each split over two tensor-parallel ranks,
     with sequence parallelism and packing."""
-    got = run_layout(tied_dir, tmp_path / "out.pt", 2, 2, ("sp", "pack"), nproc=4)
+    got = results(four_ranks, "tp2-pp2-sp-packed")
     assert (got["dims"].tp, got["dims"].pp, got["dims"].dp, got["dims"].sp) == (2, 2, 1, True)
-    _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=2)
+    _assert_matches(got, single, tied_dir, VOCAB, four_ranks / "tp2-pp2-sp-packed.hf", pp=2)
 
 
-def test_cp2_by_tp2_on_four_ranks(tied_dir, single, tmp_path):
+def test_cp2_by_tp2_on_four_ranks(tied_dir, single, four_ranks):
     """Context parallelism composed with tensor parallelism, packed."""
-    got = run_layout(tied_dir, tmp_path / "out.pt", 2, 1, ("cp", "pack"), nproc=4)
+    got = results(four_ranks, "cp2-tp2-packed")
     assert (got["dims"].tp, got["dims"].cp, got["dims"].dp) == (2, 2, 1)
-    _assert_matches(got, single, tied_dir, VOCAB, tmp_path, pp=1)
+    _assert_matches(got, single, tied_dir, VOCAB, four_ranks / "cp2-tp2-packed.hf", pp=1)
 
 
 def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):
@@ -108,12 +127,13 @@ def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):
         tie_word_embeddings=True,
     )
     single = layout_results(MegatronPolicyWorker(config(str(folder), tp=1, pp=1)), fixed_batch(127))
-    got = run_layout(folder, tmp_path / "out.pt", 3, 1, (), nproc=3)
+    launch(folder, tmp_path, {"tp3": (3, 1, ())}, nproc=3)
+    got = results(tmp_path, "tp3")
     assert (got["dims"].tp, got["dims"].dp) == (3, 1)
-    _assert_matches(got, single, folder, 127, tmp_path, pp=1)
+    _assert_matches(got, single, folder, 127, tmp_path / "tp3.hf", pp=1)
 
 
-def _assert_matches(got, single, folder, vocab, tmp_path, *, pp):
+def _assert_matches(got, single, folder, vocab, exported, *, pp):
     """A layout's results against the single rank's and transformers'."""
     hf = hf_logprobs(folder, fixed_batch(vocab))
     assert (got["logprobs"] - hf).abs().max() <= 1e-4
@@ -135,6 +155,5 @@ def _assert_matches(got, single, folder, vocab, tmp_path, *, pp):
     assert (got["logprobs_after"] - single["logprobs_after"]).abs().max() <= 1e-4
     assert (got["logprobs_final"] - single["logprobs_final"]).abs().max() <= 1e-4
     # The HF export (TP shards gathered, one file per pipeline stage) holds the trained weights.
-    exported = tmp_path / "out.hf"
     assert len(list(exported.glob("*.safetensors"))) == pp
     assert (hf_logprobs(exported, fixed_batch(vocab)) - got["logprobs_final"]).abs().max() <= 1e-4

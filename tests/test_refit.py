@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import make_worker
 from helpers import make_batch, make_hf_model
-from refit_peers import dying_trainer
+from refit_peers import dying_trainer, tampering
 from safetensors.torch import load_file
 
 from policyworker.config import OptimizerConfig, RefitConfig
@@ -30,21 +30,21 @@ SMALL_BUFFER = 8192  # several buckets, and tensors larger than a buffer, on the
 
 
 def send_tampered(worker, tamper, *, bucket_bytes: int, timeout_s: float, version: int = 1):
-    """The worker's refit, checksummed, through `send_ipc` with a hook called on every packed
-    buffer (to corrupt it, or to kill the receiver at a chosen bucket)."""
+    """The worker's refit, checksummed, through `send_ipc` with `tamper` called on every packed
+    bucket after its checksum (to corrupt it, or to kill the receiver at a chosen bucket)."""
     src = worker.refit
     info = src.info()
     params = global_named_parameters(worker.state.model)
-    send_ipc(
-        model_tensors(params, src.shape, src.groups, info, src._owners, src.device),
-        Layout(info, bucket_bytes),
-        link=src.link,
-        version=version,
-        timeout_s=timeout_s,
-        use_checksum=True,
-        device=worker.device,
-        tamper=tamper,
-    )
+    with tampering(tamper):
+        send_ipc(
+            model_tensors(params, src.shape, src.groups, info, src._owners, src.device),
+            Layout(info, bucket_bytes),
+            link=src.link,
+            version=version,
+            timeout_s=timeout_s,
+            use_checksum=True,
+            device=worker.device,
+        )
 
 
 def test_refit_info_is_the_export_in_order(llama_dir):
@@ -121,6 +121,7 @@ def test_staging_applies_only_whole_verified_refits(adopt):
         assert all(torch.equal(live[n], sent[n]) for n in info)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "shared,checksum",
     [(True, False), (True, True), (False, True)],
@@ -153,6 +154,7 @@ def test_ipc_refit_is_exact_and_versioned(llama_dir, shared, checksum):
             assert torch.equal(gen.logprobs(ids, lengths), local.logprobs(ids, lengths))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("shared", [True, False], ids=["direct", "buffers"])
 def test_a_corrupted_byte_fails_the_checksum_and_changes_nothing(llama_dir, shared):
     worker = make_worker(llama_dir)
@@ -176,6 +178,7 @@ def test_a_corrupted_byte_fails_the_checksum_and_changes_nothing(llama_dir, shar
         assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.processes
 def test_a_receiver_killed_mid_refit_fails_the_trainer_in_time(llama_dir):
     worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=2.0))
     info = worker.prepare_refit_info()
@@ -200,6 +203,7 @@ def test_a_receiver_killed_mid_refit_fails_the_trainer_in_time(llama_dir):
         assert fresh.end_refit() == 1
 
 
+@pytest.mark.processes
 def test_a_trainer_killed_mid_refit_fails_the_receiver_in_time(llama_dir, tmp_path):
     info = make_worker(llama_dir).prepare_refit_info()
     address = f"ipc://{tmp_path}/dying.sock"
@@ -225,6 +229,7 @@ def test_a_trainer_killed_mid_refit_fails_the_receiver_in_time(llama_dir, tmp_pa
         assert gen.version() is None
 
 
+@pytest.mark.processes
 def test_mismatched_refit_info_is_an_error_on_both_sides(llama_dir, tmp_path):
     worker = make_worker(llama_dir)
     other = make_hf_model(tmp_path, "llama", intermediate_size=128)  # another FFN width
@@ -257,6 +262,7 @@ def test_bad_refit_arguments_are_refused(llama_dir):
     assert worker.weight_version == 0
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_path):
     """Gathered TP shards and broadcast pipeline stages arrive as the checkpoint's tensors,
@@ -277,9 +283,10 @@ def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_p
     assert got["version"] == got["report"].version == 1
 
 
+@pytest.mark.processes
 def test_refit_check_reports_and_fails_on_a_mismatch(llama_dir, monkeypatch, capsys):
     from policyworker.generation import process
-    from policyworker.refit import check
+    from policyworker.tools import refit_check as check
 
     opts = check.CheckOptions(model=str(llama_dir), buffer_size_bytes=SMALL_BUFFER, refits=2)
     assert check.main(opts) == 0
@@ -305,11 +312,12 @@ def test_refit_check_reports_and_fails_on_a_mismatch(llama_dir, monkeypatch, cap
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_equal"] is False
 
 
+@pytest.mark.processes
 def test_refit_check_refuses_bad_options_before_starting(tmp_path):
     cmd = [sys.executable, "-m", "policyworker", "refit-check", "--model", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--model: no config.json" in proc.stderr
-    from policyworker.refit.check import CheckOptions
+    from policyworker.tools.refit_check import CheckOptions
 
     with pytest.raises(ValueError, match="--receiver-tp"):
         CheckOptions(model=str(tmp_path), transport="ipc", receiver_tp=2)
@@ -328,6 +336,7 @@ def _collective_pair(worker, folder, info, timeout_s=30.0):
     return gen
 
 
+@pytest.mark.processes
 def test_collective_refit_is_exact_and_versioned(llama_dir):
     refit = RefitConfig(checksum=True, timeout_s=30.0)
     worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), refit=refit)
@@ -343,6 +352,7 @@ def test_collective_refit_is_exact_and_versioned(llama_dir):
             assert all(torch.equal(got[n], sent[n]) for n in sent)
 
 
+@pytest.mark.processes
 def test_collective_refit_with_mismatched_info_fails_on_both_sides(llama_dir, tmp_path):
     worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=30.0))
     other = make_hf_model(tmp_path, "llama", intermediate_size=128)
@@ -357,6 +367,7 @@ def test_collective_refit_with_mismatched_info_fails_on_both_sides(llama_dir, tm
     assert worker.weight_version == 0
 
 
+@pytest.mark.processes
 def test_a_dead_collective_receiver_fails_the_trainer_in_time(llama_dir):
     worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=3.0))
     info = worker.prepare_refit_info()
@@ -369,6 +380,7 @@ def test_a_dead_collective_receiver_fails_the_trainer_in_time(llama_dir):
     gen.close()
 
 
+@pytest.mark.processes
 def test_a_timed_out_command_never_answers_the_next_one(llama_dir):
     """Each command's answer carries its id: a late answer (to a command that timed out) is
     dropped, and the engine stays usable; a second begin_refit is refused, not queued."""

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,6 +17,9 @@ from policyworker import Policy, WorkerError
 from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig, RefitConfig
 from policyworker.losses import NLLLoss
 from policyworker.parallel.dims import free_port
+from policyworker.tools.refit_check import both_sides
+
+pytestmark = pytest.mark.processes
 
 
 def config(folder: Path, tp: int, checksum: bool = False) -> PolicyConfig:
@@ -35,26 +35,9 @@ def config(folder: Path, tp: int, checksum: bool = False) -> PolicyConfig:
     )
 
 
-def both(trainer: Callable[[], Any], destination: Callable[[], Any]) -> tuple[Any, Any]:
-    """Run the two sides at once; each side's result or exception."""
-    out: dict[str, Any] = {}
-
-    def run(key: str, fn: Callable[[], Any]) -> None:
-        try:
-            out[key] = fn()
-        except Exception as e:
-            out[key] = e
-
-    t = threading.Thread(target=run, args=("trainer", trainer))
-    t.start()
-    run("destination", destination)
-    t.join(120)
-    return out["trainer"], out["destination"]
-
-
 def join(trainer: Policy, dest: Policy, timeout_s: float = 60) -> None:
     port, s, d = free_port(), trainer.world_size, dest.world_size
-    a, b = both(
+    a, b = both_sides(
         lambda: trainer.init_reshard("127.0.0.1", port, s, d, timeout_s),
         lambda: dest.init_reshard("127.0.0.1", port, s, d, timeout_s),
     )
@@ -85,7 +68,7 @@ def test_reshard_delivers_the_trainers_weights_exactly(
         join(trainer, dest)
         for version in (1, 2):
             trainer.train(data, NLLLoss())
-            report, got = both(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)
+            report, got = both_sides(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)
             assert got == report.version == version, (report, got)
             assert report.names == 21 and report.checksum == checksum
             want = exported(trainer, tmp_path / f"t{version}")
@@ -111,7 +94,7 @@ def test_reshard_refuses_a_mismatch_and_fails_on_a_dead_destination(model_dir, t
             join(trainer, dest)
             before = exported(dest, tmp_path / "before")
             trainer.train(data, NLLLoss())
-            a, b = both(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)
+            a, b = both_sides(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)
             assert isinstance(a, WorkerError) and "refit info differs" in str(a)
             assert isinstance(b, WorkerError) and "refit info differs" in str(b)
             after = exported(dest, tmp_path / "after")

@@ -48,10 +48,10 @@ from policyworker.checkpoint.writes import (
     discard,
     failure,
     first_error,
-    in_process_results,
     join_writes,
     start_writes,
 )
+from policyworker.compat import in_process_write_results
 from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.memory.host import HostArena
 from policyworker.model.hf_config import ModelShape
@@ -122,7 +122,7 @@ class Checkpointer:
             **counters,
             "model": model_fields(t.shape),
             "precision": t.precision,
-            "layout": {"tp": t.dims.tp, "pp": t.dims.pp, "cp": t.dims.cp, "dp": t.dims.dp},
+            "layout": manifest_layout(t),
             "verify_integrity": self.verify_integrity,
         }
         live_model_sd = sd.model_state(t.model)
@@ -166,7 +166,6 @@ class Checkpointer:
     ) -> None:
         """Each directory's temporary sibling and write request (into `pending` as they are
         made, so a failure can remove what exists)."""
-        in_process_results()
         for target, tree, meta in trees:
             tmp = make_tmp(target)
             pending.commits.append((tmp, target, meta))
@@ -177,14 +176,15 @@ class Checkpointer:
                     thread_count=self.writer_threads, cached_metadata=True
                 ),
             )
-            request = dist_checkpointing.save(
-                tree,
-                str(tmp),
-                sharded_strategy=strategy,
-                validate_access_integrity=first,
-                async_sharded_save=True,
-                async_strategy="mcore",
-            )
+            with in_process_write_results():
+                request = dist_checkpointing.save(
+                    tree,
+                    str(tmp),
+                    sharded_strategy=strategy,
+                    validate_access_integrity=first,
+                    async_sharded_save=True,
+                    async_strategy="mcore",
+                )
             # Not request.preload_fn: the tensors are on the host already, and it synchronizes
             # the device (which would end the overlap with the staging copies).
             pending.requests.append((request, list(request.async_fn_args)))

@@ -23,8 +23,8 @@ def checkpoint_kind(path: Path, field: str) -> str:
 def check_save_paths(
     weights_path: str | Path,
     optimizer_path: str | Path | None,
-    *,
     has_optimizer: bool,
+    *,
     pending: list[Path],
 ) -> tuple[Path, Path | None]:
     """Validate `save_checkpoint`'s directories before anything is staged or written: new,

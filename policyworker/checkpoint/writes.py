@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import queue
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -35,16 +34,6 @@ class PendingSave:
     outputs: list[dict[int, Any]] = field(default_factory=list)
     """Per request, each write bucket's results (or exception) by bucket index."""
     errors: list[BaseException] = field(default_factory=list)
-
-
-def in_process_results() -> None:
-    """Give this save's writers a fresh in-process results queue.
-
-    mcore's writers report through a cached queue that by default a spawned multiprocessing
-    Manager serves: a helper process that re-imports the caller's `__main__` (a script without a
-    main guard runs twice) and outlives a killed trainer. Our writes run in this process, so a
-    thread-safe queue does; a fresh one per save leaves no result of a failed save behind."""
-    filesystem_async._results_queue = queue.Queue()
 
 
 def start_writes(pending: PendingSave) -> None:

@@ -1,9 +1,8 @@
-"""Version-pinned patches that let megatron-core run where it was not written to.
+"""Version-pinned patches that let megatron-core run where it was not written to: `cpu` (megatron-core
+0.19 assumes CUDA in a handful of places; nothing of it runs on a machine with a GPU) and
+`checkpoint` (its dist-checkpointing writer's results queue, while a save is planned)."""
 
-Only `cpu` lives here today: megatron-core 0.19 assumes CUDA in a handful of places. Nothing in
-this package does anything on a machine with a GPU.
-"""
+from policyworker.compat.checkpoint import in_process_write_results
+from policyworker.compat.cpu import apply_cpu_patches
 
-from policyworker.compat.cpu import apply_cpu_patches, cpu_patches_active
-
-__all__ = ["apply_cpu_patches", "cpu_patches_active"]
+__all__ = ["apply_cpu_patches", "in_process_write_results"]

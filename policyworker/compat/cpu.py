@@ -61,11 +61,6 @@ _PROXIED_MODULES = (
 _active = False
 
 
-def cpu_patches_active() -> bool:
-    """Whether `apply_cpu_patches` has installed the shims in this process."""
-    return _active
-
-
 def _to_cpu_device(device: Any) -> Any:
     if isinstance(device, int):
         return torch.device("cpu")

@@ -24,7 +24,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.packing import PACKERS, PackedLayout, round_up, sorted_cuts
+from policyworker.data.packing import PACKERS, PackedLayout, sorted_cuts
+from policyworker.ops.packed import round_up
 from policyworker.parallel.context import ContextGroup, ContextSplit
 from policyworker.parallel.dims import Groups, ParallelDims
 

@@ -15,11 +15,11 @@ from policyworker.demo.resume import ResumePoint, resume_point
 from policyworker.demo.task import (
     Example,
     char_tokenizer,
-    encode_prompt,
     load_jsonl,
     load_tokenizer,
     tiny_llama_config,
 )
+from policyworker.generation.engine import encode_prompt
 from policyworker.losses.clipped_pg import ClippedPGConfig
 from policyworker.model.hf_config import load_hf_config, model_shape
 from policyworker.model.weights import check_hf_folder

@@ -30,15 +30,14 @@ from policyworker.demo.resume import step_folder
 from policyworker.demo.task import (
     Example,
     addition_examples,
-    encode_prompt,
     noisy_labels,
     reward,
     tiny_llama_config,
 )
-from policyworker.generation.engine import Samples
+from policyworker.driver.policy import Policy, rank_flags
+from policyworker.generation.engine import Samples, encode_prompt
 from policyworker.generation.process import GenerationProcess
 from policyworker.losses import ClippedPGLoss, NLLLoss
-from policyworker.parallel.policy import Policy, rank_flags
 
 log = logging.getLogger(__name__)
 

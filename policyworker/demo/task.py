@@ -125,13 +125,6 @@ def load_jsonl(path: str | Path, *, field: str = "--data") -> list[Example]:
     return out
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    """Prompt token ids: BOS (if the tokenizer has one), then the text without special tokens."""
-    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None else []) + ids
-
-
 def reward(response: str, answer: str) -> float:
     """1 if the response (up to end of sequence, stripped) is exactly the answer, else 0."""
     return 1.0 if response.strip() == answer.strip() else 0.0

@@ -8,11 +8,17 @@ responses with their generation logprobs, `logprobs` scores sequences with the w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from policyworker.demo.task import encode_prompt
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    """Prompt token ids: BOS (if the tokenizer has one), then the text without special tokens."""
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + ids
 
 
 @dataclass(frozen=True, slots=True)

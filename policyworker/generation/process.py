@@ -181,7 +181,8 @@ def _serve(
 ) -> None:
     """The process: build the engine and its staging area, then answer commands until close."""
     from policyworker.generation.engine import HFEngine
-    from policyworker.refit.collective import join_refit_group, receive_refit
+    from policyworker.refit.collective import receive_refit
+    from policyworker.refit.group import join_refit_group
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
 

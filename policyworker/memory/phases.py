@@ -17,6 +17,7 @@ exactly. Phases that free device memory also return the allocator's cached block
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -42,21 +43,33 @@ class Phase:
         }
 
 
+class MemoryPhase(enum.StrEnum):
+    """The phases, named as the worker's calls that enter them."""
+
+    LP_INFERENCE = "prepare_for_lp_inference"
+    LP_INFERENCE_KEEP_TRAIN_BUFFERS = "prepare_for_lp_inference(keep_train_buffers)"
+    TRAINING = "prepare_for_training"
+    FINISH_INFERENCE = "finish_inference"
+    BEFORE_REFIT = "offload_before_refit"
+    AFTER_REFIT = "offload_after_refit"
+    PAUSE_TRAIN_STEP = "pause_train_step_with_offloading"
+
+
 PHASES = {
-    "prepare_for_lp_inference": Phase(D, H, F, D),
-    "prepare_for_lp_inference(keep_train_buffers)": Phase(D, D, D, D),
-    "prepare_for_training": Phase(D, D, D, D),
-    "finish_inference": Phase(H, H, F, H),
-    "offload_before_refit": Phase(D, H, F, H),
-    "offload_after_refit": Phase(H, H, F, H),
-    "pause_train_step_with_offloading": Phase(H, H, F, D),
+    MemoryPhase.LP_INFERENCE: Phase(D, H, F, D),
+    MemoryPhase.LP_INFERENCE_KEEP_TRAIN_BUFFERS: Phase(D, D, D, D),
+    MemoryPhase.TRAINING: Phase(D, D, D, D),
+    MemoryPhase.FINISH_INFERENCE: Phase(H, H, F, H),
+    MemoryPhase.BEFORE_REFIT: Phase(D, H, F, H),
+    MemoryPhase.AFTER_REFIT: Phase(H, H, F, H),
+    MemoryPhase.PAUSE_TRAIN_STEP: Phase(H, H, F, D),
 }
 
 
-def enter_phase(residency: Residency, name: str, *, step_open: bool) -> None:
+def enter_phase(residency: Residency, phase: MemoryPhase, *, step_open: bool) -> None:
     """Move the state to the phase's placement; when it frees anything, return the allocator's
     cached blocks to the driver so that a colocated engine can use them."""
-    targets = PHASES[name].targets(step_open)
+    targets = PHASES[phase].targets(step_open)
     residency.place(targets)
     if residency.device.type == "cuda" and any(w is not D for w in targets.values()):
         torch.cuda.empty_cache()

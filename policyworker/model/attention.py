@@ -26,7 +26,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from policyworker.data.packing import packed_positions
+from policyworker.ops.packed import packed_positions
 from policyworker.parallel.context import ContextSplit
 
 

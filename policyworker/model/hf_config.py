@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+from policyworker.config import ParallelConfig
+from policyworker.ops.packed import round_up
+
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture or one of its options is not supported."""
@@ -60,7 +63,7 @@ class ModelShape:
     def padded_vocab_size(self, tp: int) -> int:
         """The vocabulary rounded up to a multiple of TP: megatron's embedding and output layer
         have this many rows; the rows past `vocab_size` are zero and never count."""
-        return -(-self.vocab_size // tp) * tp
+        return round_up(self.vocab_size, tp)
 
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -180,3 +183,33 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
+    """Refuse a layout this model cannot be split into, naming the config field.
+
+    TP splits the heads, query groups and ffn (the vocabulary is padded to a multiple of TP);
+    PP the layers.
+    """
+    field = "parallel.{}_size".format
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    ep = parallel.expert_model_parallel_size
+    if ep != 1:
+        raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
+    if parallel.sequence_parallel and tp == 1:
+        raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
+    tp_split = {
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "intermediate_size": shape.ffn_hidden_size,
+    }
+    for name, size in tp_split.items():
+        if size % tp:
+            raise ValueError(
+                f"{field('tensor_model_parallel')}: expected a divisor of {name}={size}, got {tp}"
+            )
+    if shape.num_layers % pp:
+        raise ValueError(
+            f"{field('pipeline_model_parallel')}: expected a divisor of "
+            f"num_layers={shape.num_layers}, got {pp}"
+        )

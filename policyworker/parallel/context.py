@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from policyworker.data.packing import to_device
+from policyworker.ops.packed import to_device
 
 
 @functools.lru_cache(maxsize=64)

@@ -17,14 +17,31 @@ import torch
 import torch.distributed as dist
 
 from policyworker.config import ParallelConfig
-from policyworker.model.hf_config import ModelShape
 
 log = logging.getLogger(__name__)
 
 
+AXES = ("pp", "dp", "cp", "tp")
+"""The mesh's axes, slowest first: megatron's rank order (tensor parallel fastest)."""
+_FIELDS = {
+    "tp": "tensor_model_parallel_size",
+    "pp": "pipeline_model_parallel_size",
+    "cp": "context_parallel_size",
+    "ep": "expert_model_parallel_size",
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelDims:
-    """Sizes of each parallel axis. `dp` is derived: world / (tp * pp * cp)."""
+    """Sizes of each parallel axis, and the world's ranks as the mesh `[pp, dp, cp, tp]`.
+    `dp` is derived: world / (tp * pp * cp).
+
+        dims = ParallelDims.from_world(world_size=8, tp=2, pp=2, cp=1, ep=1)
+        dims.coords(5)                  # {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+        dims.ranks_along("tp", 5)       # [4, 5]
+        dims.replica(1)                 # every rank holding data-parallel shard 1
+        dims.leader(1)                  # the one whose outputs a driver keeps
+    """
 
     tp: int = 1
     pp: int = 1
@@ -35,55 +52,80 @@ class ParallelDims:
     """Sequence parallelism: activations outside attention and MLP split along the sequence over
     the TP group (needs tp > 1)."""
 
+    @classmethod
+    def from_world(
+        cls,
+        *,
+        world_size: int,
+        tp: int,
+        pp: int,
+        cp: int,
+        ep: int = 1,
+        sp: bool = False,
+        world_field: str = "WORLD_SIZE",
+    ) -> ParallelDims:
+        """The layout of `world_size` ranks (`world_field` names where that number came from)."""
+        for axis, size in {"tp": tp, "pp": pp, "cp": cp, "ep": ep}.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"parallel.{_FIELDS[axis]}: expected an int >= 1, got {size!r}")
+        model_parallel = tp * pp * cp
+        if not isinstance(world_size, int) or world_size < 1 or world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} ({world_field}): expected a multiple of tp*pp*cp = "
+                f"{tp}*{pp}*{cp} = {model_parallel}"
+            )
+        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel, sp=sp)
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
-
-    @classmethod
-    def from_world(
-        cls, *, world_size: int, tp: int, pp: int, cp: int, ep: int, sp: bool = False
-    ) -> ParallelDims:
-        model_parallel = tp * pp * cp
-        if world_size % model_parallel:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}"
-            )
-        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel, sp=sp)
 
     @property
     def sequence_multiple(self) -> int:
         """What every micro-batch's sequence length must be a multiple of (TP with SP)."""
         return self.tp if self.sp else 1
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's sizes along `AXES`."""
+        return tuple(getattr(self, axis) for axis in AXES)
 
-def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
-    """Refuse a layout this model cannot be split into, naming the config field.
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinates of `rank` along each axis of `AXES`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside [0, {self.world_size})")
+        out: dict[str, int] = {}
+        for axis, size in reversed(list(zip(AXES, self.shape, strict=True))):
+            rank, out[axis] = divmod(rank, size)
+        return {axis: out[axis] for axis in AXES}
 
-    TP splits the heads, query groups and ffn (the vocabulary is padded to a multiple of TP);
-    PP the layers.
-    """
-    field = "parallel.{}_size".format
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    ep = parallel.expert_model_parallel_size
-    if ep != 1:
-        raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
-    if parallel.sequence_parallel and tp == 1:
-        raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
-    tp_split = {
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "intermediate_size": shape.ffn_hidden_size,
-    }
-    for name, size in tp_split.items():
-        if size % tp:
-            raise ValueError(
-                f"{field('tensor_model_parallel')}: expected a divisor of {name}={size}, got {tp}"
-            )
-    if shape.num_layers % pp:
-        raise ValueError(
-            f"{field('pipeline_model_parallel')}: expected a divisor of "
-            f"num_layers={shape.num_layers}, got {pp}"
-        )
+    def rank(self, **coords: int) -> int:
+        """The rank at `coords` (an axis left out is 0)."""
+        unknown = set(coords) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown axes {sorted(unknown)}; expected some of {AXES}")
+        rank = 0
+        for axis, size in zip(AXES, self.shape, strict=True):
+            c = coords.get(axis, 0)
+            if not 0 <= c < size:
+                raise ValueError(f"{axis}: coordinate {c} outside [0, {size})")
+            rank = rank * size + c
+        return rank
+
+    def ranks_along(self, axis: str, rank: int) -> list[int]:
+        """The ranks that differ from `rank` only along `axis` (its group on that axis)."""
+        if axis not in AXES:
+            raise ValueError(f"axis: expected one of {AXES}, got {axis!r}")
+        coords = self.coords(rank)
+        return [self.rank(**{**coords, axis: i}) for i in range(getattr(self, axis))]
+
+    def replica(self, dp_rank: int) -> list[int]:
+        """The ranks (TP x CP x PP) that hold data-parallel shard `dp_rank`."""
+        return [r for r in range(self.world_size) if self.coords(r)["dp"] == dp_rank]
+
+    def leader(self, dp_rank: int) -> int:
+        """The rank whose outputs stand for replica `dp_rank`: its first."""
+        return self.rank(dp=dp_rank)
 
 
 def free_port() -> int:
@@ -166,6 +208,12 @@ class Groups:
     """Global rank of this pipeline's last stage: the one that holds logits and losses."""
     is_first_stage: bool
     is_last_stage: bool
+
+    @property
+    def leads_replica(self) -> bool:
+        """The first of its pipeline stage's TP x CP ranks in data-parallel replica 0: the rank
+        that writes what the stage holds once (e.g. its part of an HF export)."""
+        return self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
     @classmethod
     def current(cls) -> Groups:

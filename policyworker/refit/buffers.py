@@ -1,7 +1,7 @@
 """Transfer buffers another process can map: a CUDA IPC handle on GPU, a shared memory file on CPU.
 
 The two kinds are one protocol: the sender describes a buffer with `handle()` (a small picklable
-dict) and the receiver maps it with `open_buffer(handle)`; both sides then see the same bytes. On
+dict) and the receiver maps it with `MappedBuffer(handle)`; both sides then see the same bytes. On
 CPU this lets CI run the exact protocol that a colocated GPU refit runs.
 """
 

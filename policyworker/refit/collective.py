@@ -19,81 +19,23 @@ Every collective has the group's timeout: a dead peer is an error on the others,
 from __future__ import annotations
 
 import datetime
-import hashlib
 import time
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from policyworker.refit.ipc import RefitReport
+from policyworker.refit.group import agree, fingerprint, start_broadcast, wait_for
 from policyworker.refit.layout import (
-    Bucket,
     Layout,
     RefitError,
     RefitInfo,
+    RefitReport,
+    bucket_header,
     checksum_on_device,
     pack,
 )
-from policyworker.refit.receiver import Staging, dtype_name
-
-
-def join_refit_group(
-    host: str, port: int, world_size: int, rank: int, *, device: torch.device, timeout_s: float
-) -> dist.ProcessGroup:
-    """This process's member of the refit group (rank 0 is the trainer and hosts the store)."""
-    if not 0 <= rank < world_size or world_size < 2:
-        raise ValueError(f"rank: expected 0 <= rank < world_size >= 2, got {rank}, {world_size}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-
-def fingerprint(info: RefitInfo) -> int:
-    """63 bits of a hash of the refit info's names, shapes and dtypes, in order."""
-    text = "|".join(f"{n}:{list(s)}:{dtype_name(d)}" for n, (s, d) in info.items())
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def start_broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, what: str) -> dist.Work:
-    """Broadcast `tensor` from the group's rank 0 (asynchronous: `wait_for` the work)."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    try:
-        return group.broadcast([tensor], opts)
-    except RuntimeError as e:
-        raise RefitError(f"refit: the collective failed at {what}: {e}") from None
-
-
-def wait_for(work: dist.Work, what: str, timeout: datetime.timedelta) -> None:
-    """Wait for a collective; a dead peer or the timeout is a `RefitError` naming `what`."""
-    try:
-        work.wait(timeout)
-    except RuntimeError as e:  # a dead peer or the timeout
-        raise RefitError(f"refit: the collective failed at {what}: {e}") from None
-
-
-def agree(
-    group: dist.ProcessGroup,
-    ok: bool,
-    device: torch.device,
-    what: str,
-    timeout: datetime.timedelta,
-) -> bool:
-    """Whether every member says `ok` (a MIN all-reduce)."""
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    try:
-        work = group.allreduce([flag], opts)
-    except RuntimeError as e:
-        raise RefitError(f"refit: the collective failed at {what}: {e}") from None
-    wait_for(work, what, timeout)
-    return bool(flag.item())
+from policyworker.refit.receiver import Staging
 
 
 def broadcast_refit(
@@ -117,7 +59,7 @@ def broadcast_refit(
     wait_for(start_broadcast(group, head, "the header"), "the header", timeout)
     if not agree(group, True, device, "the refit info check", timeout):
         raise RefitError("refit: a receiver's refit info differs from the trainer's")
-    size = max((b.nbytes for b in layout.buckets if b.nbytes <= bucket_bytes), default=0)
+    size = layout.buffer_bytes
     buffers = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(num_buffers)]
     in_flight: list[list[dist.Work]] = [[] for _ in range(num_buffers)]
     for bucket in layout.buckets:
@@ -180,7 +122,7 @@ def receive_refit(
             total = int(t.item())
         if ok:
             try:
-                staging.stage(_header(bucket, version, total), data)
+                staging.stage(bucket_header(bucket, version, total), data)
             except RefitError as e:  # keep receiving: the others are still in the collective
                 ok, error = False, str(e)
     if ok:
@@ -192,16 +134,3 @@ def receive_refit(
     if not ok:
         raise RefitError(error)
     return version
-
-
-def _header(bucket: Bucket, version: int, total: int | None) -> dict[str, object]:
-    return {
-        "version": version,
-        "index": bucket.index,
-        "start": bucket.start,
-        "end": bucket.end,
-        "slots": [
-            (s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in bucket.slots
-        ],
-        "checksum": total,
-    }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,39 +35,14 @@ from policyworker.refit.layout import (
     Bucket,
     Layout,
     RefitError,
-    Slot,
+    RefitReport,
+    bucket_header,
     checksum,
     checksum_on_device,
     pack,
+    slot_headers,
 )
-from policyworker.refit.receiver import SlotHeader, Staging, dtype_name
-
-
-@dataclass(frozen=True, slots=True)
-class RefitReport:
-    """What a refit moved, as the sender saw it."""
-
-    version: int
-    bytes: int
-    seconds: float
-    names: int
-    buckets: int
-    checksum: bool
-
-    @classmethod
-    def of(cls, layout: Layout, version: int, seconds: float, use_checksum: bool) -> RefitReport:
-        return cls(
-            version=version,
-            bytes=layout.total,
-            seconds=seconds,
-            names=len(layout.slots),
-            buckets=len(layout.buckets),
-            checksum=use_checksum,
-        )
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / max(self.seconds, 1e-12) / 1e9
+from policyworker.refit.receiver import Staging
 
 
 def remove_socket_file(address: str) -> None:
@@ -120,15 +95,13 @@ class _Pending:
 
 @dataclass(frozen=True, slots=True)
 class _Refit:
-    """One refit's inputs, as both paths take them. `tamper` (tests only) may change a packed
-    bucket's bytes after its checksum was taken."""
+    """One refit's inputs, as both paths take them."""
 
     tensors: Iterator[tuple[str, torch.Tensor]]
     layout: Layout
     version: int
     use_checksum: bool
     device: torch.device
-    tamper: Callable[[torch.Tensor], None] | None
 
 
 class IpcLink:
@@ -167,12 +140,8 @@ def send_ipc(
     timeout_s: float,
     use_checksum: bool,
     device: torch.device,
-    tamper: Callable[[torch.Tensor], None] | None = None,
 ) -> RefitReport:
-    """Stream `tensors` (in `layout` order) to the receiver connected at `link.address`.
-
-    `tamper` (tests only) may change a packed bucket's bytes after its checksum was taken.
-    """
+    """Stream `tensors` (in `layout` order) to the receiver connected at `link.address`."""
     start = time.perf_counter()
     address = link.address
     sock = _socket(zmq.REQ, timeout_s)
@@ -182,10 +151,10 @@ def send_ipc(
             "type": "begin",
             "version": version,
             "total": layout.total,
-            "slots": _slots(layout.slots.values()),
+            "slots": slot_headers(layout.slots.values()),
         }
         staging = _request(sock, begin, "the start of the refit", address).get("staging")
-        refit = _Refit(tensors, layout, version, use_checksum, device, tamper)
+        refit = _Refit(tensors, layout, version, use_checksum, device)
         if staging is not None:
             headers = _write_direct(link.open(staging).tensor, refit)
         else:
@@ -201,22 +170,6 @@ def send_ipc(
     return RefitReport.of(layout, version, time.perf_counter() - start, use_checksum)
 
 
-def _slots(slots: Iterable[Slot]) -> list[SlotHeader]:
-    return [(s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in slots]
-
-
-def _header(bucket: Bucket, version: int, total: int | torch.Tensor | None) -> dict[str, Any]:
-    return {
-        "type": "bucket",
-        "version": version,
-        "index": bucket.index,
-        "start": bucket.start,
-        "end": bucket.end,
-        "slots": _slots(bucket.slots),
-        "checksum": total,
-    }
-
-
 def _write_direct(target: torch.Tensor, r: _Refit) -> list[dict[str, Any]]:
     """Pack every bucket into `target`, the receiver's staging bytes; the buckets' headers."""
     layout = r.layout
@@ -230,9 +183,7 @@ def _write_direct(target: torch.Tensor, r: _Refit) -> list[dict[str, Any]]:
         pack(bucket, region, r.tensors)
         # kept on the device: one synchronization for the whole refit, not one per bucket
         total = checksum_on_device(region) if r.use_checksum else None
-        if r.tamper is not None:
-            r.tamper(region)
-        headers.append(_header(bucket, r.version, total))
+        headers.append(bucket_header(bucket, r.version, total))
     if r.device.type == "cuda":  # the bytes are there before "complete"
         torch.cuda.current_stream(r.device).synchronize()
     for header in headers:
@@ -246,8 +197,7 @@ def _send_buffered(sock: zmq.Socket, address: str, r: _Refit) -> list[dict[str, 
     layout, device = r.layout, r.device
     # Two buffers of the largest regular bucket (at most the bucket size); larger tensors get
     # a buffer of their own.
-    assert layout.bucket_bytes is not None
-    size = max((b.nbytes for b in layout.buckets if b.nbytes <= layout.bucket_bytes), default=0)
+    size = layout.buffer_bytes
     buffers = [SharedBuffer(size, device) for _ in range(2)] if size else []
     in_flight: _Pending | None = None  # sent, its ack not yet received
     try:
@@ -257,8 +207,6 @@ def _send_buffered(sock: zmq.Socket, address: str, r: _Refit) -> list[dict[str, 
             buf = SharedBuffer(bucket.nbytes, device) if own else buffers[bucket.index % 2]
             try:
                 header = _pack(bucket, buf, r)
-                if r.tamper is not None:
-                    r.tamper(buf.tensor)
             except BaseException:
                 if own:
                     buf.close()
@@ -306,7 +254,7 @@ def _pack(bucket: Bucket, buf: SharedBuffer, r: _Refit) -> dict[str, Any]:
     total = checksum(data) if r.use_checksum else None  # syncs the device when computed
     if r.device.type == "cuda":
         torch.cuda.current_stream(r.device).synchronize()  # the bytes are there before the header
-    return _header(bucket, r.version, total) | {"buffer": buf.handle()}
+    return bucket_header(bucket, r.version, total) | {"buffer": buf.handle()}
 
 
 def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:

@@ -1,4 +1,5 @@
-"""What a refit carries and where each tensor sits: refit info, the byte layout, buckets, checksums.
+"""What a refit carries and where each tensor sits — the wire format every transport shares:
+refit info, the byte layout, buckets, their headers, checksums, and the sender's report.
 
 Refit info is `{hf_name: (shape, dtype)}` of the whole model in the Hugging Face layout, in the
 order the sender sends. Both sides derive the same `Layout` from it: every tensor at a 512-byte
@@ -9,10 +10,13 @@ a whole bucket with one copy and the checksum covers exactly what was staged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from policyworker.ops.packed import round_up
 
 ALIGN = 512
 
@@ -22,10 +26,6 @@ RefitInfo = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class RefitError(RuntimeError):
     """A refit that did not complete: a peer that died or timed out, a rejected bucket, a
     mismatch with the refit info. The receiver's live weights are unchanged."""
-
-
-def _round_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +59,9 @@ class Layout:
     """Slots and buckets of a refit info, the same on sender and receiver."""
 
     def __init__(self, info: RefitInfo, bucket_bytes: int | None) -> None:
-        """`bucket_bytes=None`: slots only (a receiver does not cut buckets)."""
-        if bucket_bytes is not None and bucket_bytes < ALIGN:
-            raise ValueError(f"buffer_size_bytes: expected >= {ALIGN}, got {bucket_bytes}")
+        """`bucket_bytes=None`: slots only (a receiver does not cut buckets). Callers check
+        a user's size (`refit.source.check_refit_args`)."""
+        assert bucket_bytes is None or bucket_bytes >= ALIGN, bucket_bytes
         self.info = dict(info)
         self.bucket_bytes = bucket_bytes
         self.slots: dict[str, Slot] = {}
@@ -69,10 +69,16 @@ class Layout:
         for name, (shape, dtype) in info.items():
             nbytes = torch.Size(shape).numel() * dtype.itemsize
             self.slots[name] = Slot(name, tuple(shape), dtype, offset, nbytes)
-            offset += _round_up(nbytes)
+            offset += round_up(nbytes, ALIGN)
         self.total = offset
         self.buckets = [] if bucket_bytes is None else _cut(list(self.slots.values()), bucket_bytes)
-        self.largest_bucket = max((b.nbytes for b in self.buckets), default=0)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """A sender's reusable buffer: the largest regular bucket (a tensor larger than
+        `bucket_bytes` is a bucket of its own and gets a buffer of its own)."""
+        assert self.bucket_bytes is not None
+        return max((b.nbytes for b in self.buckets if b.nbytes <= self.bucket_bytes), default=0)
 
 
 def _cut(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
@@ -81,12 +87,12 @@ def _cut(slots: list[Slot], bucket_bytes: int) -> list[Bucket]:
 
     def close() -> None:
         if group:
-            end = group[-1].offset + _round_up(group[-1].nbytes)
+            end = group[-1].offset + round_up(group[-1].nbytes, ALIGN)
             buckets.append(Bucket(len(buckets), tuple(group), group[0].offset, end))
             group.clear()
 
     for slot in slots:
-        if group and slot.offset + _round_up(slot.nbytes) - group[0].offset > bucket_bytes:
+        if group and slot.offset + round_up(slot.nbytes, ALIGN) - group[0].offset > bucket_bytes:
             close()
         group.append(slot)
     close()
@@ -133,3 +139,55 @@ def check_targets(info: RefitInfo, targets: Mapping[str, torch.Tensor]) -> None:
                 f"refit info: {name} is sent as {tuple(shape)} {dtype}, the receiver holds "
                 f"{tuple(t.shape)} {t.dtype}"
             )
+
+
+SlotHeader = tuple[str, list[int], str, int, int]
+"""(name, shape, dtype name, layout offset, nbytes) of one tensor, as messages carry it."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def slot_headers(slots: Iterable[Slot]) -> list[SlotHeader]:
+    return [(s.name, list(s.shape), dtype_name(s.dtype), s.offset, s.nbytes) for s in slots]
+
+
+def bucket_header(bucket: Bucket, version: int, total: int | torch.Tensor | None) -> dict[str, Any]:
+    """What a receiver stages a bucket by: its place in the layout, its slots and checksum."""
+    return {
+        "type": "bucket",
+        "version": version,
+        "index": bucket.index,
+        "start": bucket.start,
+        "end": bucket.end,
+        "slots": slot_headers(bucket.slots),
+        "checksum": total,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RefitReport:
+    """What a refit moved, as the sender saw it."""
+
+    version: int
+    bytes: int
+    seconds: float
+    names: int
+    buckets: int
+    checksum: bool
+
+    @classmethod
+    def of(cls, layout: Layout, version: int, seconds: float, use_checksum: bool) -> RefitReport:
+        return cls(
+            version=version,
+            bytes=layout.total,
+            seconds=seconds,
+            names=len(layout.slots),
+            buckets=len(layout.buckets),
+            checksum=use_checksum,
+        )
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-12) / 1e9

@@ -22,14 +22,15 @@ from typing import Any
 import torch
 
 from policyworker.refit.buffers import SharedBuffer
-from policyworker.refit.layout import Layout, RefitError, RefitInfo, check_targets, checksum
-
-SlotHeader = tuple[str, list[int], str, int, int]
-"""(name, shape, dtype name, layout offset, nbytes) of one tensor, as messages carry it."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from policyworker.refit.layout import (
+    Layout,
+    RefitError,
+    RefitInfo,
+    SlotHeader,
+    check_targets,
+    checksum,
+    dtype_name,
+)
 
 
 class Staging:

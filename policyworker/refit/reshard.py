@@ -29,9 +29,8 @@ import torch.distributed as dist
 
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.weights import GateUp, Mapping, VocabRows, mappings
-from policyworker.refit.collective import agree, fingerprint, start_broadcast, wait_for
-from policyworker.refit.ipc import RefitReport
-from policyworker.refit.layout import RefitError, RefitInfo, checksum
+from policyworker.refit.group import agree, fingerprint, start_broadcast, wait_for
+from policyworker.refit.layout import RefitError, RefitInfo, RefitReport, checksum
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,17 +14,19 @@ from policyworker.config import RefitConfig, finite
 from policyworker.model.hf_config import ModelShape
 from policyworker.parallel.dims import Groups
 from policyworker.refit.buffers import sweep_dead
-from policyworker.refit.collective import broadcast_refit, join_refit_group
+from policyworker.refit.collective import broadcast_refit
 from policyworker.refit.export import model_tensors, owners, refit_info
-from policyworker.refit.ipc import IpcLink, RefitReport, remove_socket_file, send_ipc
-from policyworker.refit.layout import Layout, RefitInfo
+from policyworker.refit.group import join_refit_group
+from policyworker.refit.ipc import IpcLink, remove_socket_file, send_ipc
+from policyworker.refit.layout import Layout, RefitInfo, RefitReport
 from policyworker.refit.reshard import Member, ReshardGroup, report
 
 MiB = 1 << 20
 
 
 def check_refit_args(buffer_size_bytes: int, timeout_s: float | None, num_buffers: int = 2) -> None:
-    """A refit call's arguments, refused before anything moves (`buffer_size_bytes` 0: auto)."""
+    """A refit call's arguments, refused before anything moves (`buffer_size_bytes` 0: auto).
+    The one place they are checked: every entry point of `RefitSource` calls it first."""
     size = buffer_size_bytes
     if not isinstance(size, int) or not (size == 0 or size >= 512):
         raise ValueError(f"buffer_size_bytes: expected 0 (auto) or an int >= 512, got {size!r}")
@@ -84,8 +86,9 @@ class RefitSource:
     ) -> RefitReport | None:
         """Stream every weight to the receiver at `self.address` (if `send`; the other ranks
         only take part in the TP/PP gathers). Collective over the model-parallel group."""
+        check_refit_args(buffer_size_bytes, timeout_s)
         info = self.info()
-        size = buffer_size_bytes or self.cfg.buffer_size_bytes or self._default_buffer_bytes()
+        size = self._bucket_bytes(buffer_size_bytes)
         if self._layout is None or self._layout.bucket_bytes != size:  # Python over every tensor
             self._layout = Layout(info, size)
         layout = self._layout
@@ -113,6 +116,9 @@ class RefitSource:
     ) -> None:
         """Rank 0 of the trainer joins the refit group as its rank 0 (blocks until every receiver
         has joined); the other trainer ranks only take part in the gathers of a refit."""
+        if not isinstance(world_size, int) or world_size < 2:
+            raise ValueError(f"world_size: expected an int >= 2, got {world_size!r}")
+        check_refit_args(0, timeout_s)
         if dist.get_rank() == 0:
             self._group = join_refit_group(
                 host,
@@ -127,6 +133,7 @@ class RefitSource:
         self, *, buffer_size_bytes: int | None, num_buffers: int, timeout_s: float | None
     ) -> RefitReport | None:
         """One collective refit (collective over the model-parallel group too)."""
+        check_refit_args(buffer_size_bytes or 0, timeout_s, num_buffers)
         info = self.info()
         tensors = model_tensors(
             self._params(), self.shape, self.groups, info, self._owners, self.device
@@ -140,9 +147,7 @@ class RefitSource:
             tensors,
             info,
             version=self.version + 1,
-            bucket_bytes=buffer_size_bytes
-            or self.cfg.buffer_size_bytes
-            or self._default_buffer_bytes(),
+            bucket_bytes=self._bucket_bytes(buffer_size_bytes),
             num_buffers=num_buffers,
             use_checksum=self.cfg.checksum,
             device=self.device,
@@ -162,6 +167,7 @@ class RefitSource:
         timeout_s: float | None,
     ) -> None:
         """Join the reshard group as a trainer rank (0..sources-1) or a destination rank."""
+        check_refit_args(0, timeout_s)
         g = self.groups
         mine, world = (destinations, "destinations") if destination else (sources, "sources")
         if mine != dist.get_world_size():
@@ -192,6 +198,7 @@ class RefitSource:
     def reshard(self, *, destination: bool, timeout_s: float | None) -> RefitReport | int | None:
         """One reshard refit, sending (trainer) or receiving (destination, applied only when
         complete); the trainer's rank 0 returns the report, a destination the version."""
+        check_refit_args(0, timeout_s)
         if self._reshard is None:
             raise ValueError("nccl_reshard_refit: init_reshard() first")
         info, params = self.info(), self._params()
@@ -213,7 +220,11 @@ class RefitSource:
             return None
         return report(info, self.version, time.perf_counter() - start, self.cfg.checksum)
 
-    def _default_buffer_bytes(self) -> int:
+    def _bucket_bytes(self, requested: int | None) -> int:
+        """A call's size, else the config's, else a tenth of free device memory (64 MiB-2 GiB;
+        64 MiB on CPU)."""
+        if requested or self.cfg.buffer_size_bytes:
+            return requested or self.cfg.buffer_size_bytes
         if self.device.type != "cuda":
             return 64 * MiB
         free, _ = torch.cuda.mem_get_info(self.device)

@@ -181,7 +181,8 @@ def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> fl
 def build_scheduler(
     optimizer: MegatronOptimizer, opt: OptimizerConfig, sched: SchedulerConfig
 ) -> OptimizerParamScheduler:
-    """One `step(1)` per train() call: warm-up, then constant / linear / cosine to min_lr."""
+    """One `step(1)` per global batch (a `train()` of several global batches steps it once per
+    global batch): warm-up, then constant / linear / cosine to min_lr."""
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if sched.warmup_steps else opt.lr,

@@ -1,182 +1,236 @@
-"""Micro-batched forward (and backward) through megatron's pipeline schedules.
+"""One optimizer step as a lifecycle: open, add chunks of data, finish (or abort).
 
-`run_microbatches` is the one place that calls `get_forward_backward_func()`: inference
-(`get_logprobs`, top-k) and training both go through it, so pipeline parallelism slots in
-without a second code path. `train.lifecycle` builds an optimizer step on it.
+`train()` and split-step training (`begin_train_step` / `train_microbatch` /
+`finish_train_step` / `abort_train_step`) are the same code: `train()` opens a step, adds its whole
+DP-local global batch as one chunk and finishes it.
+
+Normalization. A loss divides by global counts (tokens or sequences over the whole global batch
+and all DP ranks), which a streaming caller does not know until the last chunk. So a step whose
+loss has one `normalizer` evaluates the loss with every count at 1 — the backward accumulates
+plain sums into megatron's fp32 grad buffers — and `finish_step` divides the gradients by the
+global count once all chunks are in (inside the fused Adam kernel, with the clip). A loss whose terms divide by different counts (ClippedPG's
+positive-example NLL) cannot be rescaled after the fact: `train()` gives it the counts up front,
+split-step training refuses it. Metrics are always recomputed at finish from each micro-batch's
+detached loss inputs with the true counts, so they equal a step that knew the counts.
+
+Gradients are never reduced over DP before `finish_step`: the schedule is given no
+`finalize_model_grads_func` (see `train.optimizer.wrap_ddp`), and `finish_step` runs megatron's
+`finalize_model_grads` itself (DP reduce, tied embeddings, sequence-parallel norms). No megatron
+hook is swapped in or out, so an abort has nothing to restore. Outside a step the grad buffers
+are zero (a step and an abort zero them when they end, and freed gradients come back as zeros),
+so a step opens without clearing them.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
-from policyworker.losses.common import LossInputs, LossNeeds
-from policyworker.model.build import batch_major_logits
-from policyworker.ops.logprobs import index_logprobs, vocab_parallel_entropy
-from policyworker.parallel.dims import Groups, broadcast_from_last_stage
+from policyworker.losses.common import EPS, Loss, LossInputs
+from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
+from policyworker.train.optimizer import optimizer_step
+from policyworker.train.schedule import (
+    loss_inputs,
+    reduce_metrics,
+    run_microbatches,
+    split_for_training,
+    sum_over_dp,
+)
 
 log = logging.getLogger(__name__)
 
-# (logits [B, S, V/tp] or packed [1, T, V/tp], micro-batch) -> (loss scalar, metrics); the loss
-# is ignored when forward-only.
-MicrobatchFn = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one global batch did."""
+
+    metrics: dict[str, float]
+    grad_norm: float
+    skipped: bool
+    """True when a non-finite gradient made the step a no-op."""
+    lr: float
 
 
-def run_microbatches(
-    model: torch.nn.Module,
-    microbatches: list[Microbatch],
-    fn: MicrobatchFn,
-    *,
-    forward_only: bool,
-) -> list[dict[str, torch.Tensor]]:
-    """Run `fn` on each micro-batch's logits via megatron's schedule; returns its metrics dicts."""
-    it: Iterator[Microbatch] = iter(microbatches)
-    device = microbatches[0].data["input_ids"].device
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """What a step runs with: the loss, sizes on this rank, and how it is normalized."""
 
-    def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> Any:
-        mb = next(data_iterator)
-        ids, pos, packed = mb.model_inputs(device)
-        # [B, S, V/tp] (packed: [1, T, V/tp]) on the last stage, hidden states on the others
-        logits = model(
-            ids, pos, None, packed_seq_params=packed, output_processor=batch_major_logits
+    loss_fn: Loss
+    local_rows: int
+    """Rows of the global batch on this DP rank; the chunks must add up to it."""
+    mbs: int
+    eval_mode: bool = False
+    known_counts: dict[str, torch.Tensor] | None = None
+    """Global counts given up front (losses without one normalizer); None: normalize at finish."""
+
+
+@dataclass(slots=True)
+class OpenStep:
+    """An open step: what has been added so far. Gradients live in the DDP grad buffers."""
+
+    spec: StepSpec
+    local_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: int = 0
+    num_microbatches: int = 0
+    records: list[tuple[LossInputs, Mapping[str, torch.Tensor]]] = field(default_factory=list)
+    """Per micro-batch (last pipeline stage): detached loss inputs and data, for the metrics."""
+
+
+def open_step(spec: StepSpec) -> OpenStep:
+    """Open a step (refusing a loss it cannot normalize)."""
+    if spec.known_counts is None and spec.loss_fn.normalizer is None:
+        raise ValueError(
+            f"loss_fn: {type(spec.loss_fn).__name__} divides its terms by different counts, so "
+            "its gradient cannot be normalized after the fact; use train() for it"
         )
-
-        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-            loss, metrics = fn(output, mb)
-            # 3-tuple form: megatron neither divides by micro-batch count nor token count.
-            return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
-
-        return logits, loss_func
-
-    shapes = [mb.model_shape for mb in microbatches]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=it,
-        model=[model],
-        num_microbatches=len(microbatches),
-        seq_length=max(s for _, s in shapes),
-        micro_batch_size=shapes[0][0],
-        forward_only=forward_only,
-    )
+    return OpenStep(spec=spec)  # the gradients are zero outside a step: nothing to clear
 
 
-def loss_inputs(
-    logits: torch.Tensor,
-    mb: Microbatch,
-    needs: LossNeeds,
+def add_chunk(
+    step: OpenStep,
+    ddp: torch.nn.Module,
+    batch: BatchedDataDict,
     *,
-    temperature: float,
-    groups: Groups,
-    vocab_size: int,
-) -> LossInputs:
-    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`.
-    `vocab_size` is the true vocabulary: columns past it (TP padding) never count."""
-    tp = {
-        "temperature": temperature,
-        "tp_group": groups.tp,
-        "tp_rank": groups.tp_rank,
-        "vocab_size": vocab_size,
-    }
-    logprobs = entropy = at_ids = None
-    if needs.logprobs:
-        ids = mb.pack(mb.data["input_ids"])  # the whole sequence, [b, T] (or padded [n, S])
-        targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # next tokens
-        # log p(next token) at every position this rank computed, then the whole sequence
-        raw = mb.gather(index_logprobs(logits, mb.to_local(targets)[..., None], **tp)[..., 0])
-        lp = mb.unpack(torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1))
-        # Packed, a row's position 0 read the previous row's last logits: 0 by definition.
-        logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
-    if needs.entropy:
-        entropy = mb.unpack(mb.gather(vocab_parallel_entropy(logits, **tp)))
-    if needs.index_key is not None:
-        ids = mb.to_local(mb.pack(mb.data[needs.index_key]))
-        at_ids = mb.unpack(mb.gather(index_logprobs(logits, ids, **tp)))
-    return LossInputs(logprobs=logprobs, entropy=entropy, index_logprobs=at_ids)
-
-
-def reduce_metrics(
-    stores: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None
-) -> dict[str, float]:
-    """Each metric over micro-batches and data-parallel ranks: summed (they are globally
-    normalized), except `*_min` / `*_max`, which take the min / max."""
-    if not stores:
-        return {}
-    keys = sorted(stores[0])
-    stacked = torch.stack([torch.stack([s[k].float().reshape(()) for k in keys]) for s in stores])
-    is_min = torch.tensor([k.endswith("_min") for k in keys], device=stacked.device)
-    is_max = torch.tensor([k.endswith("_max") for k in keys], device=stacked.device)
-    summed = stacked.sum(0)
-    extreme = torch.where(is_min, -stacked, stacked).amax(0)  # min as -max(-x): one MAX reduce
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(summed, group=group)
-        dist.all_reduce(extreme, op=dist.ReduceOp.MAX, group=group)
-    values = torch.where(is_min, -extreme, torch.where(is_max, extreme, summed))
-    return dict(zip(keys, values.tolist(), strict=True))
-
-
-def split_for_training(
-    batch: BatchedDataDict, plan: MicrobatchPlan, mbs: int, rows_per_example: int, groups: Groups
-) -> list[Microbatch]:
-    """This rank's micro-batches of a global batch, topped up with fillers (no loss, no tokens)
-    so that every data-parallel rank runs as many as the one with the most."""
-    mbs_list = plan.split(batch, train=True, mbs=mbs, rows_per_example=rows_per_example)
-    count = torch.tensor([len(mbs_list)], device=batch["input_ids"].device)
-    if groups.dp is not None and dist.get_world_size(groups.dp) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.dp)
-    missing = int(count) - len(mbs_list)
-    if missing:
-        mbs_list += [plan.filler(batch, mbs_list[0], rows_per_example)] * missing
-    return mbs_list
-
-
-def sum_over_dp(
-    local: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None
-) -> dict[str, torch.Tensor]:
-    """Counts (`global_valid_toks`, ...) summed over the data-parallel ranks."""
-    names = sorted(local)
-    stacked = torch.stack([local[n].float() for n in names])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-    return dict(zip(names, stacked.unbind(), strict=True))
-
-
-def forward_collect(
-    model: torch.nn.Module,
     plan: MicrobatchPlan,
     groups: Groups,
-    device: torch.device,
-    data: BatchedDataDict,
-    mbs: int,
-    fn: MicrobatchFn,
-    outputs: dict[str, torch.dtype],
-    trailing: tuple[int, ...],
-) -> list[torch.Tensor]:
-    """Forward-only over micro-batches; each of `outputs` (per-row tensors that `fn` returns as
-    metrics) assembled on CPU as [B, S, *trailing], 0 past each length.
+    temperature: float,
+    vocab_size: int,
+) -> None:
+    """Forward/backward one chunk of this rank's share (already validated and prepared);
+    gradients accumulate locally. Every DP rank adds its chunk at the same time."""
+    loss_fn = step.spec.loss_fn
+    local = loss_fn.counts(batch)
+    counts = step.spec.known_counts or {name: torch.ones_like(v) for name, v in local.items()}
+    records: list[tuple[LossInputs, Mapping[str, torch.Tensor]]] = []
 
-    Only the last pipeline stage computes them; every stage returns them (broadcast).
-    """
-    model.eval()
-    batch = BatchedDataDict({k: data[k] for k in ("input_ids", "input_lengths")}).to(device)
-    microbatches = plan.split(batch, train=False, mbs=mbs)
+    def fn(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs = loss_inputs(
+            logits,
+            mb,
+            loss_fn.needs,
+            temperature=temperature,
+            groups=groups,
+            vocab_size=vocab_size,
+        )
+        loss, _ = loss_fn(inputs, mb.data, counts)
+        records.append((_detached(inputs), mb.data))
+        return loss, {}
+
+    microbatches = split_for_training(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
+    ddp.train()
+    run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode)
+    for name, value in local.items():
+        step.local_counts[name] = step.local_counts.get(name, 0) + value.detach().float()
+    step.rows += batch.size
+    step.num_microbatches += len(microbatches)
+    step.records += records
+
+
+def finish_step(
+    step: OpenStep,
+    ddp: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    groups: Groups,
+    max_grad_norm: float,
+    device: torch.device,
+) -> StepResult:
+    """Reduce, normalize, clip, step the optimizer and the scheduler; the metrics of the step."""
+    spec = step.spec
+    counts = spec.known_counts or sum_over_dp(step.local_counts, groups.dp)
+    metrics = _metrics(step, counts, groups)
+    metrics |= {name: float(value) for name, value in counts.items()}
+    metrics["num_microbatches"] = float(step.num_microbatches)
+    lr = float(optimizer.param_groups[0]["lr"])
+    if spec.eval_mode:
+        return StepResult(metrics=metrics, grad_norm=0.0, skipped=False, lr=lr)
+    finalize_model_grads([ddp], num_tokens=None)
+    divisor = 1.0
+    if spec.known_counts is None:
+        normalizer = spec.loss_fn.normalizer
+        assert normalizer is not None  # open_step refused the others
+        divisor = float(counts[normalizer]) + EPS  # applied inside the optimizer's kernel
+    applied, grad_norm = optimizer_step(
+        optimizer, max_grad_norm=max_grad_norm, device=device, grad_divisor=divisor
+    )
+    if applied:
+        scheduler.step(increment=1)
+    else:
+        log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
+    zero_grads(ddp, optimizer)  # outside a step the grad buffers are zero
+    return StepResult(metrics=metrics, grad_norm=grad_norm, skipped=not applied, lr=lr)
+
+
+def check_batch_sizes(*, gbs: int, mbs: int, rows: int, dp: int) -> int:
+    """Validate a step's global and micro-batch sizes; returns this rank's rows (gbs / dp)."""
+    for name, value in (("gbs", gbs), ("mbs", mbs)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if mbs % rows:
+        raise ValueError(
+            f"mbs: expected a multiple of {rows} (the loss reads rows in groups of {rows}, "
+            f"which must share a micro-batch), got {mbs}"
+        )
+    if gbs % dp or (gbs // dp) % mbs:
+        raise ValueError(f"gbs: expected a multiple of dp*mbs = {dp}*{mbs}, got {gbs}")
+    return gbs // dp
+
+
+def zero_grads(ddp: torch.nn.Module, optimizer: Any) -> None:
+    """Zero the grad buffers: how a step starts, ends and is aborted (weights, optimizer state
+    and scheduler untouched), so that outside a step the gradients are zero."""
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+
+
+def known_counts_for(
+    loss_fn: Loss, batch: BatchedDataDict, groups: Groups
+) -> dict[str, torch.Tensor] | None:
+    """The global counts `train()` hands a loss without one normalizer; None for the others."""
+    return None if loss_fn.normalizer is not None else sum_over_dp(loss_fn.counts(batch), groups.dp)
+
+
+def summarize(results: list[StepResult]) -> dict[str, Any]:
+    """Each metric over global batches (mean; min/max for `*_min`/`*_max`), plus the step
+    bookkeeping users plot."""
+    out: dict[str, Any] = {}
+    for key in results[0].metrics:
+        values = [r.metrics[key] for r in results]
+        reduce = {"_min": min, "_max": max}.get(key[-4:])
+        out[key] = reduce(values) if reduce else sum(values) / len(values)
+    out["global_valid_toks"] = sum(r.metrics["global_valid_toks"] for r in results)
+    out["global_valid_seqs"] = sum(r.metrics["global_valid_seqs"] for r in results)
+    out["num_microbatches"] = sum(int(r.metrics["num_microbatches"]) for r in results)
+    out["grad_norm"] = sum(r.grad_norm for r in results) / len(results)
+    out["lr"] = results[-1].lr
+    out["num_global_batches"] = len(results)
+    out["skipped_steps"] = sum(r.skipped for r in results)
+    return out
+
+
+def _metrics(step: OpenStep, counts: dict[str, torch.Tensor], groups: Groups) -> dict[str, float]:
+    """The loss's metrics of every micro-batch with the true counts, reduced over DP; every
+    pipeline stage gets those of the last."""
+    loss_fn = step.spec.loss_fn
     with torch.no_grad():
-        stores = run_microbatches(model, microbatches, fn, forward_only=True)
-    b, s = data["input_ids"].shape
-    valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
-    result = []
-    for key, dtype in outputs.items():
-        out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
-        for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
-            part = st[key].cpu()
-            for i, row in enumerate(mb.rows):  # row copies: CPU advanced indexing is slow here
-                out[row, : part.shape[1]] = part[i]
-        out.masked_fill_(~valid.reshape(b, s, *[1] * len(trailing)), 0)
-        result.append(broadcast_from_last_stage(out, groups, device=device))
-    return result
+        stores = [loss_fn(inputs, data, counts)[1] for inputs, data in step.records]
+    return broadcast_object_from_last_stage(reduce_metrics(stores, groups.dp), groups)
+
+
+def _detached(inputs: LossInputs) -> LossInputs:
+    def d(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach()
+
+    return LossInputs(
+        logprobs=d(inputs.logprobs),
+        entropy=d(inputs.entropy),
+        index_logprobs=d(inputs.index_logprobs),
+    )

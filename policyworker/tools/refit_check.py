@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from policyworker.parallel.policy import Policy
-    from policyworker.refit.ipc import RefitReport
+    from policyworker.driver.policy import Policy
+    from policyworker.refit.layout import RefitReport
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # transformers vs megatron-core logprobs
 TRANSPORTS = ("ipc", "collective", "reshard")
@@ -66,7 +66,7 @@ def _config(opts: CheckOptions, tp: int) -> Any:
 def run_check(opts: CheckOptions) -> dict[str, object]:
     """The refit check; returns the JSON row (`ok` False on any mismatch)."""
     from policyworker.data.batched_data_dict import BatchedDataDict
-    from policyworker.parallel.policy import Policy
+    from policyworker.driver.policy import Policy
 
     tp = opts.trainer_tp
     with (
@@ -105,9 +105,9 @@ def _engine(
     trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into a generation process over IPC or the collective."""
+    from policyworker.driver.policy import rank_flags
     from policyworker.generation import process
     from policyworker.parallel.dims import free_port
-    from policyworker.parallel.policy import rank_flags
 
     info, size = trainer.prepare_refit_info(), opts.buffer_size_bytes
     with process.GenerationProcess(
@@ -139,8 +139,8 @@ def _reshard(
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into destination workers of another TP layout."""
     from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.driver.policy import Policy
     from policyworker.parallel.dims import free_port
-    from policyworker.parallel.policy import Policy
 
     tp = opts.receiver_tp
     with Policy(_config(opts, tp), tp, is_refit_destination=True) as dest:
@@ -157,9 +157,9 @@ def _reshard(
         return report, version, equal, theirs["logprobs"]
 
 
-def both(first: Any, second: Any) -> tuple[Any, Any]:
+def both_sides(first: Any, second: Any) -> tuple[Any, Any]:
     """`first()` in a thread and `second()` here, at once (the two sides of one collective);
-    their results, or the first exception either raised."""
+    each one's result, or the exception it raised."""
     out: dict[int, Any] = {}
 
     def run(i: int, fn: Any) -> None:
@@ -172,10 +172,16 @@ def both(first: Any, second: Any) -> tuple[Any, Any]:
     thread.start()
     run(1, second)
     thread.join()
-    for value in out.values():
+    return out[0], out[1]
+
+
+def both(first: Any, second: Any) -> tuple[Any, Any]:
+    """`both_sides`, raising the first exception either side raised."""
+    results = both_sides(first, second)
+    for value in results:
         if isinstance(value, BaseException):
             raise value
-    return out[0], out[1]
+    return results
 
 
 def _fixed_batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,8 +14,8 @@ import socket
 import sys
 from typing import Any
 
-from policyworker.parallel.group import Answers, GroupState
-from policyworker.parallel.host import WorkerHost
+from policyworker.driver.group import Answers, GroupState
+from policyworker.driver.worker_side import WorkerHost
 
 _PLACEMENT_TIMEOUT_S = 120.0
 _CLOSE_TIMEOUT_S = 30.0

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from policyworker.logs import quiet_third_party
+
 Answer = tuple[int, str, Any, float]
 """(call id, "ok" | "error", value or traceback, seconds the call ran here)."""
 
@@ -28,6 +30,7 @@ class WorkerHost:
 
     def __init__(self, env: dict[str, str], log_levels: dict[str, int] | None = None) -> None:
         os.environ.update(env)
+        quiet_third_party()
         threads = int(env.get("OMP_NUM_THREADS", "0"))
         if threads:
             torch.set_num_threads(threads)

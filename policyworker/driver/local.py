@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from policyworker.driver.group import Answers, GroupState
+from policyworker.driver.worker_side import serve
 from policyworker.parallel.dims import free_port
-from policyworker.parallel.group import Answers, GroupState
-from policyworker.parallel.host import serve
 
 
 @contextlib.contextmanager

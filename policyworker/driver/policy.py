@@ -24,13 +24,12 @@ import torch
 from policyworker.config import PolicyConfig, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
+from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
+from policyworker.driver.group import WorkerError, WorkerGroup
+from policyworker.driver.local import LocalGroup, local_envs
 from policyworker.losses.common import Loss
-from policyworker.model.hf_config import load_hf_config, model_shape
-from policyworker.parallel.dims import check_layout
-from policyworker.parallel.dispatch import Call, Output, Split, merge, split_rows
-from policyworker.parallel.group import WorkerError, WorkerGroup
-from policyworker.parallel.local import LocalGroup, local_envs
-from policyworker.parallel.sharding import NamedSharding
+from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
+from policyworker.parallel.dims import ParallelDims
 from policyworker.worker import MegatronPolicyWorker
 
 log = logging.getLogger(__name__)
@@ -122,11 +121,14 @@ class Policy:
             if value is not None and not (finite(value) and value > 0):
                 raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
         p = config.parallel
-        self.mesh = NamedSharding.from_world(
-            num_workers,
-            tensor_parallel=p.tensor_model_parallel_size,
-            pipeline_parallel=p.pipeline_model_parallel_size,
-            context_parallel=p.context_parallel_size,
+        self.mesh = ParallelDims.from_world(
+            world_size=num_workers,
+            tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size,
+            cp=p.context_parallel_size,
+            ep=p.expert_model_parallel_size,
+            sp=p.sequence_parallel,
+            world_field="num_workers",
         )
         self.cfg = config
         self.shape = model_shape(
@@ -258,7 +260,7 @@ class Policy:
             # one replica: the batch as given, no copies (index ops cost ms on a busy host)
             shards = [data] if len(rows) == 1 else [data.select_indices(r) for r in rows]
             for r in range(world):
-                per_rank[r][call.sharded] = shards[self.mesh.coords(r)["data_parallel"]]
+                per_rank[r][call.sharded] = shards[self.mesh.coords(r)["dp"]]
         answers = self._group.run(method.name, per_rank)
         if call.output is Output.ALL:
             return answers
@@ -279,7 +281,7 @@ class Policy:
             max_seq_len=self.cfg.max_total_sequence_length,
             vocab_size=self.shape.vocab_size,
         )
-        dp = self.mesh.data_parallel
+        dp = self.mesh.dp
         if b < dp or (call.split is not Split.BALANCED and b % dp):
             raise ValueError(f"{call.sharded}: {b} rows do not split over data_parallel={dp}")
         block, unit = b, 1
@@ -310,7 +312,7 @@ class Policy:
         )
         if backend == "local":
             return LocalGroup(len(envs), **common)  # type: ignore[arg-type]
-        from policyworker.parallel.ray_group import RayGroup
+        from policyworker.driver.ray_group import RayGroup
 
         return RayGroup(
             len(envs),

@@ -1,0 +1,1 @@
+"""Command-line tools: `refit-check` and `export` (run through `python -m policyworker`)."""

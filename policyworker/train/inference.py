@@ -1,0 +1,104 @@
+"""Forward-only collection over a batch: token logprobs and top-k logits, assembled per row.
+
+Both run the same pipeline schedule as training (`schedule.run_microbatches`), forward only;
+each output is put back in the batch's row order on the CPU, 0 past each row's length, and every
+pipeline stage returns it (the last stage computes, then broadcasts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.microbatch import Microbatch, MicrobatchPlan
+from policyworker.losses.common import LossNeeds
+from policyworker.ops.logprobs import topk_logits
+from policyworker.parallel.dims import Groups, broadcast_from_last_stage
+from policyworker.train.schedule import MicrobatchFn, loss_inputs, run_microbatches
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collector:
+    """What every collection runs on: the model, how batches are cut, this rank's groups."""
+
+    model: torch.nn.Module
+    plan: MicrobatchPlan
+    groups: Groups
+    device: torch.device
+    temperature: float
+    vocab_size: int
+
+    def logprobs(self, data: BatchedDataDict, mbs: int) -> torch.Tensor:
+        """[B, S] fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""
+        needs = LossNeeds(logprobs=True)
+
+        def fn(
+            logits: torch.Tensor, mb: Microbatch
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            lp = loss_inputs(
+                logits,
+                mb,
+                needs,
+                temperature=self.temperature,
+                groups=self.groups,
+                vocab_size=self.vocab_size,
+            ).logprobs
+            assert lp is not None
+            return lp.new_zeros(()), {"logprobs": lp}
+
+        (logprobs,) = self.collect(data, mbs, fn, outputs={"logprobs": torch.float32})
+        return logprobs
+
+    def topk(self, data: BatchedDataDict, mbs: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, S, k] logits / temperature and their vocabulary ids, largest first."""
+        g = self.groups
+
+        def fn(
+            logits: torch.Tensor, mb: Microbatch
+        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            vals, idx = topk_logits(
+                logits,
+                k,
+                temperature=self.temperature,
+                tp_group=g.tp,
+                tp_rank=g.tp_rank,
+                vocab_size=self.vocab_size,
+            )
+            vals, idx = mb.unpack(mb.gather(vals)), mb.unpack(mb.gather(idx))
+            return vals.new_zeros(()), {"topk_logits": vals, "topk_indices": idx}
+
+        outputs = {"topk_logits": torch.float32, "topk_indices": torch.int64}
+        vals, idx = self.collect(data, mbs, fn, outputs=outputs, trailing=(k,))
+        return vals, idx
+
+    def collect(
+        self,
+        data: BatchedDataDict,
+        mbs: int,
+        fn: MicrobatchFn,
+        *,
+        outputs: dict[str, torch.dtype],
+        trailing: tuple[int, ...] = (),
+    ) -> list[torch.Tensor]:
+        """Forward-only over micro-batches; each of `outputs` (per-row tensors that `fn`
+        returns as metrics) assembled on CPU as [B, S, *trailing], 0 past each length."""
+        self.model.eval()
+        names = ("input_ids", "input_lengths")
+        batch = BatchedDataDict({k: data[k] for k in names}).to(self.device)
+        microbatches = self.plan.split(batch, train=False, mbs=mbs)
+        with torch.no_grad():
+            stores = run_microbatches(self.model, microbatches, fn, forward_only=True)
+        b, s = data["input_ids"].shape
+        valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
+        result = []
+        for key, dtype in outputs.items():
+            out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
+            for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
+                part = st[key].cpu()
+                for i, row in enumerate(mb.rows):  # row copies: CPU advanced indexing is slow
+                    out[row, : part.shape[1]] = part[i]
+            out.masked_fill_(~valid.reshape(b, s, *[1] * len(trailing)), 0)
+            result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
+        return result

@@ -1,0 +1,221 @@
+"""The trainer: one rank's DDP model, optimizer, scheduler and micro-batch plan, and the optimizer
+step that is open on them (`train.step` is the step itself).
+
+    trainer.train(batch, loss)                  # one step per global batch of `batch`
+    trainer.begin(loss); trainer.add(chunk) ...; trainer.finish()   # one step, streamed
+    trainer.abort()                             # drop the open step
+
+Inputs reach it validated against the batch contract (the worker's facade does that); it checks
+what is about steps — sizes, the open step, rows left — before any state changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policyworker.config import finite
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.microbatch import MicrobatchPlan
+from policyworker.losses.common import Loss
+from policyworker.parallel.dims import Groups
+from policyworker.train.optimizer import optimizer_state_bytes
+from policyworker.train.step import (
+    OpenStep,
+    StepResult,
+    StepSpec,
+    add_chunk,
+    check_batch_sizes,
+    finish_step,
+    known_counts_for,
+    open_step,
+    summarize,
+    zero_grads,
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainSettings:
+    """What every step runs with, from the worker's config."""
+
+    gbs: int
+    """Default global batch (rows over all DP ranks)."""
+    mbs: int
+    """Default micro-batch (rows)."""
+    temperature: float
+    max_grad_norm: float
+    vocab_size: int
+
+
+class Trainer:
+    """Owns the optimizer step of one rank; every DP rank calls it in step."""
+
+    def __init__(
+        self,
+        *,
+        ddp: torch.nn.Module,
+        optimizer: Any,
+        scheduler: Any,
+        plan: MicrobatchPlan,
+        groups: Groups,
+        dp: int,
+        device: torch.device,
+        settings: TrainSettings,
+    ) -> None:
+        self.ddp, self.optimizer, self.scheduler = ddp, optimizer, scheduler
+        self.plan, self.groups, self.dp, self.device = plan, groups, dp, device
+        self.settings = settings
+        self._step: OpenStep | None = None
+
+    @property
+    def step_open(self) -> bool:
+        return self._step is not None
+
+    @property
+    def open_loss(self) -> Loss:
+        """The loss of the open step."""
+        return self.require_step("train_microbatch").spec.loss_fn
+
+    @property
+    def steps_done(self) -> int:
+        return int(self.scheduler.num_steps)
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: Loss,
+        *,
+        eval_mode: bool,
+        gbs: int | None,
+        mbs: int | None,
+    ) -> dict[str, Any]:
+        """One step per global batch of `data` (each a step of one chunk); the metrics."""
+        self.require_no_step("train")
+        gbs, mbs = self._sizes(gbs, mbs)
+        local = check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dp)
+        b = data.size
+        if b % local:
+            raise ValueError(
+                f"batch size {b}: expected a multiple of the per-rank global batch {local}"
+            )
+        self.plan.check(
+            data["input_lengths"].tolist(), train=True, rows_per_example=loss_fn.rows_per_example
+        )
+        data = loss_fn.prepare_batch(data).to(self.device)
+        results = []
+        for start in range(0, b, local):
+            chunk = data.slice(start, start + local)
+            known = known_counts_for(loss_fn, chunk, self.groups)
+            self._step = open_step(
+                StepSpec(loss_fn, local, mbs, eval_mode=eval_mode, known_counts=known)
+            )
+            self._add(chunk)
+            results.append(self._finish())
+        return self._summarize(results)
+
+    def begin(self, loss_fn: Loss, gbs: int | None, mbs: int | None) -> None:
+        """Open a step (the gradients are zero) of `gbs / dp` rows on this rank."""
+        self.require_no_step("begin_train_step")
+        gbs, mbs = self._sizes(gbs, mbs)
+        local = check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dp)
+        self._step = open_step(StepSpec(loss_fn, local, mbs))
+
+    def add(self, data: BatchedDataDict) -> None:
+        """Forward/backward a chunk of the open step; on an error inside, the step is aborted."""
+        step = self.require_step("train_microbatch")
+        spec, b = step.spec, data.size
+        if b % spec.mbs or step.rows + b > spec.local_rows:
+            raise ValueError(
+                f"data: expected a multiple of mbs={spec.mbs} rows and at most the "
+                f"{spec.local_rows - step.rows} rows left of this rank's global batch, got {b}"
+            )
+        lengths = data["input_lengths"].tolist()
+        self.plan.check(lengths, train=True, rows_per_example=spec.loss_fn.rows_per_example)
+        self._add(spec.loss_fn.prepare_batch(data).to(self.device))
+
+    def check_finish(self) -> None:
+        """Refuse to finish a step that is not open or not whole (before anything moves)."""
+        step = self.require_step("finish_train_step")
+        if step.rows != step.spec.local_rows:
+            raise ValueError(
+                f"finish_train_step: the step holds {step.rows} of this rank's "
+                f"{step.spec.local_rows} rows (gbs / dp); add the rest or abort_train_step()"
+            )
+
+    def finish(self) -> dict[str, Any]:
+        """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics."""
+        self.check_finish()
+        return self._summarize([self._finish()])
+
+    def abort(self, *, zero: bool) -> None:
+        """Drop the open step; `zero`: zero its gradients (False: the caller frees them where
+        they are, e.g. on the host)."""
+        self.require_step("abort_train_step")
+        self._step = None
+        if zero:
+            zero_grads(self.ddp, self.optimizer)
+
+    def set_lr(self, lr: float) -> None:
+        """A new peak lr for the schedule, from now on."""
+        if not (finite(lr) and lr > 0):
+            raise ValueError(f"lr: expected a finite number > 0, got {lr!r}")
+        self.scheduler.max_lr = lr
+        for group in self.optimizer.param_groups:
+            group["max_lr"] = group["lr"] = lr
+
+    def require_no_step(self, call: str) -> None:
+        if self._step is not None:
+            raise ValueError(
+                f"{call}: a train step is open; finish_train_step() or abort_train_step() first"
+            )
+
+    def require_step(self, call: str) -> OpenStep:
+        if self._step is None:
+            raise ValueError(f"{call}: no train step is open; begin_train_step() first")
+        return self._step
+
+    def _sizes(self, gbs: int | None, mbs: int | None) -> tuple[int, int]:
+        s = self.settings
+        return (s.gbs if gbs is None else gbs), (s.mbs if mbs is None else mbs)
+
+    def _add(self, data: BatchedDataDict) -> None:
+        assert self._step is not None
+        try:
+            add_chunk(
+                self._step,
+                self.ddp,
+                data,
+                plan=self.plan,
+                groups=self.groups,
+                temperature=self.settings.temperature,
+                vocab_size=self.settings.vocab_size,
+            )
+        except BaseException as e:
+            self._step = None
+            zero_grads(self.ddp, self.optimizer)
+            e.add_note("policyworker: the open train step was aborted (gradients dropped)")
+            raise
+
+    def _finish(self) -> StepResult:
+        step, self._step = self._step, None
+        assert step is not None
+        try:
+            return finish_step(
+                step,
+                self.ddp,
+                self.optimizer,
+                self.scheduler,
+                groups=self.groups,
+                max_grad_norm=self.settings.max_grad_norm,
+                device=self.device,
+            )
+        except BaseException:
+            zero_grads(self.ddp, self.optimizer)
+            raise
+
+    def _summarize(self, results: list[StepResult]) -> dict[str, Any]:
+        metrics = summarize(results)
+        metrics["optimizer_state_bytes"] = optimizer_state_bytes(self.optimizer)
+        return metrics
