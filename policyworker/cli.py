@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     export = sub.add_parser("export", help="a checkpoint's weights as a Hugging Face folder")
     export.add_argument("--checkpoint", required=True, help="weights dir of save_checkpoint")
     export.add_argument("--out", required=True, help="Hugging Face folder to write")
+    export.add_argument("--force", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"  # the worker processes too
@@ -110,6 +111,8 @@ def _export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         read_manifest(Path(args.checkpoint), "--checkpoint")
     except CheckpointError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if Path(args.out).exists() and not args.force:
+        parser.exit(2, f"{parser.prog}: error: --out: {args.out} exists (--force replaces it)\n")
     from policyworker.tools.export import export_checkpoint
 
     print(export_checkpoint(args.checkpoint, args.out))

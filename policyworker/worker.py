@@ -318,6 +318,8 @@ class MegatronPolicyWorker:
     ) -> None:
         """A distributed checkpoint of the weights and, with `optimizer_path`, of the training
         state. Collective. `async_save`: returns once staged; `finalize_async_save()` commits."""
+        if tokenizer_path is not None and self.tokenizer is None:
+            raise ValueError("tokenizer_path: this worker has no tokenizer (pass tokenizer=)")
         pending, has_optimizer = self.checkpoints.pending_targets, self.trainer is not None
         paths = check_save_paths(weights_path, optimizer_path, has_optimizer, pending=pending)
         if paths[1] is not None or self._step_open:

@@ -204,11 +204,19 @@ def test_sliding_window_shorter_than_sequences_is_refused(tmp_path):
         ({"optimizer": OptimizerConfig(weight_decay=float("nan"))}, "optimizer.weight_decay"),
         ({"optimizer": OptimizerConfig(betas=(0.9, float("nan")))}, "optimizer.betas"),
         ({"refit": RefitConfig(timeout_s=float("inf"))}, "refit.timeout_s"),
+        ({"parallel": {"tensor_model_parallel": 2}}, "parallel.tensor_model_parallel: unknown"),
+        ({"parallel": {"context_parallel_size": 0}}, "parallel.context_parallel_size"),
+        ({"optimizer": 1e-5}, "optimizer: expected OptimizerConfig or a mapping"),
     ],
 )
 def test_bad_config_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PolicyConfig(model_name="/x", **kwargs)
+
+
+def test_sub_configs_may_be_given_as_dicts():
+    cfg = PolicyConfig(model_name="/x", parallel={"tensor_model_parallel_size": 2})
+    assert cfg.parallel == ParallelConfig(tensor_model_parallel_size=2)
 
 
 @pytest.mark.parametrize(

@@ -157,6 +157,8 @@ def test_save_argument_errors(saved, model_dir, tmp_path):
         worker.save_checkpoint(tmp_path / "w", saved[0] / "optim")
     with pytest.raises(ValueError, match="inside the checkpoint directory"):
         worker.save_checkpoint(saved[1] / "nested" / "w")
+    with pytest.raises(ValueError, match="tokenizer_path: this worker has no tokenizer"):
+        worker.save_checkpoint(tmp_path / "w", tokenizer_path=tmp_path / "tok")
     no_opt = MegatronPolicyWorker(
         config(str(model_dir), tp=1, pp=1), init_optimizer=False, init_reference_model=False
     )
@@ -191,6 +193,8 @@ def test_killed_during_a_save_leaves_the_previous_checkpoint(model_dir, tmp_path
     for left in leftovers:
         with pytest.raises(CheckpointError):
             worker.load_checkpoint(left)
+    with pytest.raises(CheckpointError, match="a save to it did not finish"):  # names the save
+        worker.load_checkpoint(tmp_path / "b" / "weights")
     worker.load_checkpoint(tmp_path / "a" / "weights", tmp_path / "a" / "optim")
     assert worker.state.scheduler.num_steps == 1
 
@@ -207,6 +211,11 @@ def test_export_cli_writes_a_folder_transformers_loads(saved, model_dir, tmp_pat
     assert json.loads((saved[0] / "policyworker.json").read_text())["step"] == 1
     with pytest.raises(SystemExit):
         main(["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit) as e:  # an existing --out is replaced only when asked
+        main(["export", "--checkpoint", str(saved[0]), "--out", str(out)])
+    assert e.value.code == 2
+    main(["export", "--checkpoint", str(saved[0]), "--out", str(out), "--force"])
+    torch.testing.assert_close(hf_logprobs(out, data), ours, rtol=0, atol=1e-4)
 
 
 def test_hf_folder_as_weights_path(model_dir):

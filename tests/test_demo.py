@@ -234,3 +234,15 @@ def test_a_rerun_after_a_crash_continues_and_destroys_nothing(tmp_path, capsys):
     err = _exits_2([*command, "--out", str(tmp_path / "new"), "--resume", str(foreign)], capsys)
     assert "hidden_size=256" in err
     assert (full / "metrics.jsonl").read_text() == before and not (tmp_path / "new").exists()
+
+
+def test_micro_batch_size_is_clamped_alike_for_sft_and_grpo():
+    """One rule: a step with fewer rows per worker than micro_batch_size uses that many."""
+    from policyworker.demo.config import DemoConfig
+
+    cfg = DemoConfig(prompts_per_step=2, group_size=2, sft_batch=8, micro_batch_size=64)
+    assert cfg.step_mbs(4) == 4 and cfg.step_mbs(8) == 8
+    two = DemoConfig(prompts_per_step=2, group_size=2, sft_batch=8, micro_batch_size=64, workers=2)
+    assert two.step_mbs(4) == 2
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        DemoConfig(prompts_per_step=4, group_size=4, sft_batch=16, micro_batch_size=5)

@@ -3,6 +3,7 @@ worker, failures that surface with the rank named and leave nothing running, bad
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -151,9 +152,13 @@ def test_failures_name_the_rank_end_in_bounded_time_and_leave_nothing(backend, m
     # 2. One rank raises inside a step while the other waits for it in a collective: the
     #    call fails within failure_timeout_s and the group is broken.
     policy = Policy(config(model_dir), num_workers=2, backend=backend, failure_timeout_s=3)
-    with pytest.raises(WorkerError, match="rank 0 failed get_topk_logits") as e:
+    with pytest.raises(ValueError, match="k: expected") as e:  # the worker's own type
         policy.get_topk_logits(data=data, k=0)
-    assert not e.value.broken and "ValueError: k: expected" in e.value.detail
+    cause = e.value.__cause__
+    assert isinstance(cause, WorkerError) and not cause.broken
+    assert (
+        "rank 0 failed get_topk_logits" in str(cause) and "ValueError: k: expected" in cause.detail
+    )
     assert policy.get_logprobs(data=data)["logprobs"].shape == (8, 12)
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed train") as e:
@@ -286,10 +291,61 @@ def test_shutdown_commits_a_pending_async_save(model_dir, tmp_path):
     policy = Policy(config(model_dir), num_workers=2)
     policy.train(data, ClippedPGLoss())
     policy.save_checkpoint(tmp_path / "weights", tmp_path / "optim", async_save=True)
-    with pytest.raises(WorkerError, match="still pending"):
+    with pytest.raises(ValueError, match="still pending"):
         policy.save_checkpoint(tmp_path / "weights", async_save=True)
     policy.shutdown()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["optim", "weights"]
     worker = MegatronPolicyWorker(config(model_dir))
     worker.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
     assert worker.state.scheduler.num_steps == 1
+
+
+def test_worker_errors_keep_their_type(model_dir, tmp_path):
+    """What a worker raised reaches the caller as itself (the README's types), with the rank,
+    the call and the remote traceback in a WorkerError as its cause."""
+    from policyworker import PhaseError
+    from policyworker.checkpoint.commit import CheckpointError
+
+    data = make_batch(batch=8, seq=12, lengths=LENGTHS)
+    with Policy(config(model_dir), num_workers=1) as policy:
+        with pytest.raises(CheckpointError, match="not a directory") as e:
+            policy.load_checkpoint(tmp_path / "missing")
+        assert isinstance(e.value.__cause__, WorkerError) and e.value.__cause__.rank == 0
+        policy.offload_after_refit()
+        with pytest.raises(PhaseError, match="prepare_for_lp_inference"):
+            policy.get_logprobs(data=data)
+        policy.prepare_for_lp_inference()
+        assert policy.get_logprobs(data=data)["logprobs"].shape == (8, 12)
+
+
+class _Timer:
+    """NeMo-RL's Timer protocol, as far as `Policy` uses it: `time(label)` as a context."""
+
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+
+    @contextlib.contextmanager
+    def time(self, label: str):  # type: ignore[no-untyped-def]
+        self.labels.append(label)
+        yield
+
+
+def test_a_nemo_rl_loop_runs_on_policy_unchanged(model_dir, single):
+    """The reference's calling convention: `data` positionally, `timer=`, `finish_training()`,
+    and `all_mb_metrics` (per micro-batch, every DP rank's) beside the reduced metrics."""
+    data = make_batch(batch=8, seq=12, lengths=LENGTHS)
+    timer = _Timer()
+    with Policy(config(model_dir), num_workers=2) as policy:
+        lp = policy.get_logprobs(data, timer=timer)["logprobs"]
+        torch.testing.assert_close(lp, single["logprobs"], atol=1e-5, rtol=0)
+        ref = policy.get_reference_policy_logprobs(data, timer=timer)["reference_logprobs"]
+        torch.testing.assert_close(ref, single["reference"], atol=1e-5, rtol=0)
+        assert policy.get_topk_logits(data, TOPK)["topk_indices"].shape == (8, 12, TOPK)
+        results = policy.train(data, ClippedPGLoss(), timer=timer)
+        policy.finish_training()
+    mb = results["all_mb_metrics"]
+    assert len(mb["loss"]) == 2 * results["num_microbatches"]  # two DP ranks
+    assert sum(mb["loss"]) == pytest.approx(results["loss"], rel=1e-5)
+    assert results["loss"] == pytest.approx(single["train"][0]["loss"], rel=1e-5)
+    phases = {f"get_logprobs/{p}" for p in ("shard_data", "run_workers", "merge_results")}
+    assert phases | {"train/shard_data", "train/run_workers"} <= set(timer.labels)

@@ -13,7 +13,7 @@ import torch
 from helpers import make_batch, make_hf_model
 from safetensors.torch import load_file
 
-from policyworker import Policy, WorkerError
+from policyworker import Policy, RefitError
 from policyworker.config import OptimizerConfig, ParallelConfig, PolicyConfig, RefitConfig
 from policyworker.losses import NLLLoss
 from policyworker.parallel.dims import free_port
@@ -87,7 +87,7 @@ def test_reshard_refuses_a_mismatch_and_fails_on_a_dead_destination(model_dir, t
     other = make_hf_model(tmp_path / "other", "llama", intermediate_size=128)
     data = make_batch(batch=4, seq=12)
     with Policy(config(model_dir, 1), num_workers=1) as trainer:
-        with pytest.raises(WorkerError, match="sources: expected"):
+        with pytest.raises(ValueError, match="sources: expected"):
             trainer.init_reshard("127.0.0.1", free_port(), 2, 1)
         # another model: both sides refuse, the destination keeps its weights
         with Policy(config(other, 2), num_workers=2, is_refit_destination=True) as dest:
@@ -95,8 +95,8 @@ def test_reshard_refuses_a_mismatch_and_fails_on_a_dead_destination(model_dir, t
             before = exported(dest, tmp_path / "before")
             trainer.train(data, NLLLoss())
             a, b = both_sides(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)
-            assert isinstance(a, WorkerError) and "refit info differs" in str(a)
-            assert isinstance(b, WorkerError) and "refit info differs" in str(b)
+            assert isinstance(a, RefitError) and "refit info differs" in str(a)
+            assert isinstance(b, RefitError) and "refit info differs" in str(b)
             after = exported(dest, tmp_path / "after")
             assert all(torch.equal(before[k], after[k]) for k in before)
         # a destination that dies before the refit: the trainer fails within the timeout
@@ -104,7 +104,7 @@ def test_reshard_refuses_a_mismatch_and_fails_on_a_dead_destination(model_dir, t
         join(trainer, dest, timeout_s=10)
         os.kill(dest.pids[0], signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(WorkerError, match="RefitError"):
+        with pytest.raises(RefitError):
             trainer.nccl_reshard_refit(refit_timeout_s=10)
         assert time.monotonic() - start < 30
         dest.shutdown()

@@ -79,7 +79,7 @@ def test_split_step_with_packing_is_within_1e_6(llama_dir):
     want = whole.train(data, loss_fn)
     got = split_train(split, data, loss_fn, chunk=2)
     for key, value in want.items():
-        if key != "num_microbatches":
+        if key not in ("num_microbatches", "all_mb_metrics"):  # both depend on the cut
             assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
     for (n, a), (_, b) in zip(
         whole.state.model.named_parameters(), split.state.model.named_parameters(), strict=True

@@ -69,9 +69,12 @@ def test_loss_is_invariant_to_micro_batch_size(llama_dir, name):
     (m2, p2), (m4, p4) = results
     assert m2["num_microbatches"] == 2 and m4["num_microbatches"] == 1
     for key, value in m4.items():
-        if key not in ("num_microbatches", "lr"):
+        if key not in ("num_microbatches", "lr", "all_mb_metrics"):  # these follow the cut
             assert m2[key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
     assert m2["grad_norm"] > 0
+    for key, per_mb in m2["all_mb_metrics"].items():  # the two halves make up the whole
+        if not key.endswith(("_min", "_max")):
+            assert sum(per_mb) == pytest.approx(m4[key], rel=1e-6, abs=1e-6), key
     # Adam's first step is ~lr * sign(g): an element whose gradient is near eps moves by a
     # sizeable fraction of lr on a last-bit difference (which the CPU's kernels decide), so the
     # bound is 1e-4 = lr / 10, as for the parallel layouts; a normalization error moves ~lr.

@@ -125,7 +125,7 @@ def read_manifest(folder: Path, field: str) -> dict[str, Any]:
     """The manifest of a complete checkpoint, after checking every file it lists is there with
     its size. Raises `CheckpointError` naming `field` and what is wrong."""
     if not folder.is_dir():
-        raise CheckpointError(f"{field}: {folder} is not a directory")
+        raise CheckpointError(f"{field}: {folder} is not a directory{unfinished(folder)}")
     path = folder / MANIFEST
     if not path.is_file():
         raise CheckpointError(
@@ -151,6 +151,18 @@ def read_manifest(folder: Path, field: str) -> dict[str, Any]:
                 "(truncated or overwritten)"
             )
     return manifest
+
+
+def unfinished(folder: Path) -> str:
+    """A note naming the temporary folders of saves to `folder` that never committed (an
+    interrupted async save, a killed process), or ""."""
+    left = sorted(p.name for p in folder.parent.glob(f".{folder.name}.tmp-*"))
+    if not left:
+        return ""
+    return (
+        f" (a save to it did not finish: its temporary folder {left[0]} remains in "
+        f"{folder.parent}, nothing was committed; remove it)"
+    )
 
 
 def is_checkpoint(folder: Path) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policyworker.checkpoint.commit import CheckpointError, is_checkpoint
+from policyworker.checkpoint.commit import CheckpointError, is_checkpoint, unfinished
 
 
 def checkpoint_kind(path: Path, field: str) -> str:
@@ -17,6 +17,7 @@ def checkpoint_kind(path: Path, field: str) -> str:
         raise CheckpointError(f"{field}: {path} is an incomplete checkpoint (no manifest)")
     raise CheckpointError(
         f"{field}: {path} is neither a policyworker checkpoint nor a Hugging Face folder"
+        f"{unfinished(path)}"
     )
 
 

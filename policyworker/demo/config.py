@@ -58,7 +58,8 @@ class DemoConfig:
     max_new_tokens: int = 4
     """Longest response."""
     micro_batch_size: int = 64
-    """Micro-batch size for train and logprobs."""
+    """Micro-batch size for train and logprobs; a step with fewer rows per worker (SFT's
+    `sft_batch`, GRPO's `prompts_per_step * group_size`, over `workers`) uses that many."""
     max_sequence_length: int = 256
     """Longest prompt + response (the worker's max_total_sequence_length)."""
     precision: Literal["float32", "bfloat16"] = "float32"
@@ -113,25 +114,32 @@ class DemoConfig:
         )
         check(0 <= self.seed < 2**32, "seed", "an int in [0, 2**32)")
         self.sequence_packing.validate("sequence_packing")  # ClippedPGConfig checks itself
-        rollouts = self.prompts_per_step * self.group_size
-        check(
-            rollouts % (self.micro_batch_size * self.workers) == 0,
-            "micro_batch_size",
-            f"a divisor of prompts_per_step * group_size / workers = {rollouts} / {self.workers}",
-        )
-        check(
-            self.sft_batch % self.workers == 0, "sft_batch", f"a multiple of workers={self.workers}"
-        )
-        check(
-            self.sft_batch % min(self.micro_batch_size, self.sft_batch) == 0,
-            "sft_batch",
-            f"a multiple of micro_batch_size={self.micro_batch_size}",
-        )
         check(
             self.max_sequence_length > self.max_new_tokens,
             "max_sequence_length",
             "> max_new_tokens",
         )
+        steps = {
+            "prompts_per_step": self.prompts_per_step * self.group_size,  # rollouts per step
+            "sft_batch": self.sft_batch,
+        }
+        for name, rows in steps.items():
+            check(
+                rows % self.workers == 0,
+                name,
+                f"rows per step a multiple of workers={self.workers}",
+            )
+            per_worker = rows // self.workers
+            check(
+                per_worker % self.step_mbs(rows) == 0,
+                "micro_batch_size",
+                f"a divisor of the {per_worker} rows per worker of a step ({name}), or more",
+            )
+
+    def step_mbs(self, rows: int) -> int:
+        """The micro-batch size of a step of `rows` rows: `micro_batch_size`, at most the rows
+        each worker gets (one rule for SFT and GRPO)."""
+        return min(self.micro_batch_size, rows // self.workers)
 
 
 @dataclass(slots=True)
@@ -157,8 +165,8 @@ def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
         model_name=str(model_dir),
         precision=cfg.precision,
         train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
-        train_micro_batch_size=cfg.micro_batch_size,
-        logprob_batch_size=cfg.micro_batch_size,
+        train_micro_batch_size=cfg.step_mbs(cfg.prompts_per_step * cfg.group_size),
+        logprob_batch_size=cfg.step_mbs(cfg.prompts_per_step * cfg.group_size),
         max_total_sequence_length=cfg.max_sequence_length,
         sequence_packing=cfg.sequence_packing,
         temperature=cfg.temperature,

@@ -177,7 +177,7 @@ class Run:
             for e in examples
         ]
         batch = sequences_batch(prompts, answers, tok.pad_token_id)
-        mbs = min(cfg.micro_batch_size, cfg.sft_batch // cfg.workers)
+        mbs = cfg.step_mbs(cfg.sft_batch)
         m = self.policy.train(batch, NLLLoss(), gbs=cfg.sft_batch, mbs=mbs)
         return {
             "step": step,

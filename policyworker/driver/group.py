@@ -8,7 +8,10 @@ by the next call before it sends anything: it waits for the old call's answers u
 below, so every rank is back in step (or the group is broken) before new work starts. A driver
 interrupted while still sending a call breaks the group: some ranks may run it alone.
 
-A call fails when a rank raises or its process dies. Then:
+A call fails when a rank raises or its process dies. A rank's exception reaches the caller as
+itself — its type (a `ValueError`, `CheckpointError`, `RefitError`, ...) and message — with the
+rank, the call and the remote traceback in a `WorkerError` as its cause; `WorkerError` itself is
+what a dead or hung rank gives (and an exception that does not survive pickling). Then:
 - a dead rank fails the call at once (its peers may wait in a collective forever), and the group
   is broken: every later call raises until `shutdown()`;
 - a rank that raised gives the others `failure_timeout_s` to answer; if they all do, the group
@@ -19,7 +22,9 @@ A call fails when a rank raises or its process dies. Then:
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
+import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -75,6 +80,8 @@ class Answers:
     started: float = field(default_factory=time.monotonic)
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    raised: dict[int, Exception] = field(default_factory=dict)
+    """The exceptions ranks raised, where they survived the trip."""
     dead: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     first_error_at: float | None = None
@@ -98,7 +105,10 @@ class Answers:
             self.values[rank] = value
             self.seconds[rank] = seconds
         else:
-            self.errors[rank] = value
+            self.errors[rank], blob = value
+            if blob is not None:
+                with contextlib.suppress(Exception):  # e.g. a type this process cannot import
+                    self.raised[rank] = pickle.loads(blob)
             self.first_error_at = self.first_error_at or time.monotonic()
 
     def died(self, rank: int, how: str) -> None:
@@ -127,7 +137,14 @@ class Answers:
             detail = self.errors[rank]
             if hung:
                 detail += f"\nranks {hung} did not answer within {self.failure_timeout_s} s"
-            raise WorkerError(rank, self.call, detail, broken=bool(hung))
+            error = WorkerError(rank, self.call, detail, broken=bool(hung))
+            raised = self.raised.get(rank)
+            if raised is None or hung:
+                raise error from raised
+            raised.add_note(
+                f"policyworker: raised by rank {rank} in {self.call} (cause: its traceback)"
+            )
+            raise raised from error
         if hung:
             raise WorkerError(
                 hung[0], self.call, f"no answer within {self.call_timeout_s} s", broken=True
@@ -197,8 +214,8 @@ class GroupState(abc.ABC):
         self._unsettled = None
         try:
             self._settle(answers)
-        except WorkerError as e:
-            if e.broken:
+        except Exception as e:
+            if self.broken is not None:
                 raise
             log.warning("the interrupted call %s failed after all: %s", answers.call, e)
         log.warning("dropped the answers of the interrupted call %s", answers.call)

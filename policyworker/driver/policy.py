@@ -6,12 +6,15 @@
 
 Each worker method is declared once below with how its arguments travel (`Call`): the batch of
 a sharded call is split over data parallel and its outputs merged; everything else is given to
-every rank. A failed call raises `WorkerError` (rank, call, remote traceback).
+every rank. A call a rank failed raises that rank's exception (its own type), with a
+`WorkerError` (rank, call, remote traceback) as its cause; a dead or hung rank raises
+`WorkerError`.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import logging
 import os
@@ -25,7 +28,7 @@ from policyworker.config import PolicyConfig, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
-from policyworker.driver.group import WorkerError, WorkerGroup
+from policyworker.driver.group import WorkerGroup
 from policyworker.driver.local import LocalGroup, local_envs
 from policyworker.losses.common import Loss
 from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
@@ -43,28 +46,31 @@ atexit.register(lambda: [policy.shutdown() for policy in list(_OPEN)])
 
 
 class _Dispatched:
-    """A worker method run on the whole group, as its `Call` declares."""
+    """A worker method run on the whole group, as its `Call` declares. When the `Policy` class
+    is made, it puts a plain method of the worker's name in its own place (so `help(Policy)`
+    shows the signature): the worker's parameters, which may also be given positionally (as
+    NeMo-RL's `Policy` takes `data`), and a keyword-only `timer` (the reference's Timer: the
+    call's phases are timed into it when given)."""
 
     def __init__(self, call: Call) -> None:
         self.call = call
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
         method = getattr(MegatronPolicyWorker, name)
-        self.__doc__ = method.__doc__
-        sig = inspect.signature(method)
-        self.signature = sig.replace(parameters=list(sig.parameters.values())[1:])  # no self
+        params = list(inspect.signature(method).parameters.values())
+        own = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params[1:]]
+        binding = inspect.Signature(own)
+        timer = inspect.Parameter("timer", inspect.Parameter.KEYWORD_ONLY, default=None)
+        call = self.call
 
-    def __get__(self, policy: Policy | None, owner: type) -> Any:
-        if policy is None:
-            return self
+        def run(policy: Policy, *args: Any, timer: Any = None, **kwargs: Any) -> Any:
+            arguments = binding.bind(*args, **kwargs).arguments
+            return policy._dispatch(name, call, arguments, timer)
 
-        def run(*args: Any, **kwargs: Any) -> Any:
-            return policy._dispatch(self, self.signature.bind(*args, **kwargs).arguments)
-
-        run.__name__, run.__doc__ = self.name, self.__doc__
-        run.__signature__ = self.signature  # type: ignore[attr-defined]
-        return run
+        run.__name__, run.__qualname__ = name, f"{owner.__name__}.{name}"
+        run.__doc__ = method.__doc__
+        run.__signature__ = inspect.Signature([params[0], *own, timer])  # type: ignore[attr-defined]
+        setattr(owner, name, run)
 
 
 def dispatched(
@@ -213,6 +219,11 @@ class Policy:
     finalize_async_save = dispatched()
     load_checkpoint = dispatched()
 
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to do: kept so that NeMo-RL loops that call it run unchanged (there, too, it
+        does nothing). The training state stays where the last memory phase put it."""
+        del args, kwargs
+
     # --- lifecycle -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -226,7 +237,7 @@ class Policy:
                 self._group.run("finalize_async_save", [{}] * self.world_size)
             else:
                 log.warning("shutdown: the group is broken; a pending async save is lost")
-        except WorkerError as e:
+        except Exception as e:
             log.warning("shutdown: a pending async save was not committed: %s", e)
         finally:
             self._group.shutdown()
@@ -239,35 +250,38 @@ class Policy:
 
     # --- dispatch --------------------------------------------------------------------------------
 
-    def _dispatch(self, method: _Dispatched, args: dict[str, Any]) -> Any:
+    def _dispatch(self, name: str, call: Call, args: dict[str, Any], timer: Any) -> Any:
         if self._closed:
-            raise RuntimeError(f"{method.name}: this Policy is shut down")
-        call, world = method.call, self.world_size
+            raise RuntimeError(f"{name}: this Policy is shut down")
+        world = self.world_size
         per_rank = [dict(args) for _ in range(world)]
-        for name in call.per_rank:
-            values = args.get(name)
+        for arg in call.per_rank:
+            values = args.get(arg)
             if isinstance(values, list | tuple):
                 if len(values) != world:
                     raise ValueError(
-                        f"{name}: expected one value per rank ({world}), got {len(values)}"
+                        f"{arg}: expected one value per rank ({world}), got {len(values)}"
                     )
                 for r in range(world):
-                    per_rank[r][name] = values[r]
+                    per_rank[r][arg] = values[r]
         rows: list[list[int]] = []
         if call.sharded is not None:
-            rows = self._shard(call, args)
-            data: BatchedDataDict = args[call.sharded]
-            # one replica: the batch as given, no copies (index ops cost ms on a busy host)
-            shards = [data] if len(rows) == 1 else [data.select_indices(r) for r in rows]
-            for r in range(world):
-                per_rank[r][call.sharded] = shards[self.mesh.coords(r)["dp"]]
-        answers = self._group.run(method.name, per_rank)
+            with _timed(timer, f"{name}/shard_data"):
+                rows = self._shard(call, args)
+                data: BatchedDataDict = args[call.sharded]
+                # one replica: the batch as given, no copies (index ops cost ms on a busy host)
+                shards = [data] if len(rows) == 1 else [data.select_indices(r) for r in rows]
+                for r in range(world):
+                    per_rank[r][call.sharded] = shards[self.mesh.coords(r)["dp"]]
+        with _timed(timer, f"{name}/run_workers"):
+            answers = self._group.run(name, per_rank)
         if call.output is Output.ALL:
             return answers
         if call.output is Output.FIRST:
             return answers[0]
-        leaders = [answers[self.mesh.leader(d)] for d in range(len(rows))]
-        return leaders[0] if len(rows) == 1 else merge(leaders, rows)
+        with _timed(timer, f"{name}/merge_results"):
+            leaders = [answers[self.mesh.leader(d)] for d in range(len(rows))]
+            return leaders[0] if len(rows) == 1 else merge(leaders, rows)
 
     def _shard(self, call: Call, args: dict[str, Any]) -> list[list[int]]:
         """Rows of each data-parallel shard, after checking the batch here (a bad batch raises
@@ -320,6 +334,11 @@ class Policy:
             configure=MegatronPolicyWorker.configure_worker,
             **common,  # type: ignore[arg-type]
         )
+
+
+def _timed(timer: Any, label: str) -> contextlib.AbstractContextManager[Any]:
+    """`timer.time(label)` (NeMo-RL's Timer protocol), or nothing without a timer."""
+    return contextlib.nullcontext() if timer is None else timer.time(label)
 
 
 def _worker_env() -> dict[str, str]:

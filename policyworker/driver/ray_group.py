@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from policyworker.driver.group import Answers, GroupState
-from policyworker.driver.worker_side import WorkerHost
+from policyworker.driver.worker_side import WorkerHost, failure
 
 _PLACEMENT_TIMEOUT_S = 120.0
 _CLOSE_TIMEOUT_S = 30.0
@@ -133,7 +133,8 @@ class RayGroup(GroupState):
                 except RayActorError as e:  # the actor died (or Ray lost it)
                     answers.died(rank, f"{type(e).__name__}: {e}")
                 except RayError as e:  # e.g. arguments the actor could not deserialize
-                    answers.add(rank, (answers.call_id, "error", f"{type(e).__name__}: {e}", 0.0))
+                    text = f"{type(e).__name__}: {e}"
+                    answers.add(rank, (answers.call_id, "error", failure(text=text), 0.0))
 
     def shutdown(self) -> None:
         """Kill the actors, free the placement group; stop Ray if this driver started it."""

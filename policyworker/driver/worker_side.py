@@ -22,7 +22,22 @@ import torch
 from policyworker.logs import quiet_third_party
 
 Answer = tuple[int, str, Any, float]
-"""(call id, "ok" | "error", value or traceback, seconds the call ran here)."""
+"""(call id, "ok" | "error", value or `Failure`, seconds the call ran here)."""
+
+Failure = tuple[str, bytes | None]
+"""A call's failure: the remote traceback, and the exception pickled (None if it does not
+pickle), so that the driver can raise the worker's own exception type."""
+
+
+def failure(error: BaseException | None = None, text: str | None = None) -> Failure:
+    """The failure being handled (or `text` alone, for one that is no exception here)."""
+    blob = None
+    if error is not None and isinstance(error, Exception):
+        try:
+            blob = pickle.dumps(error, protocol=5)
+        except Exception:
+            blob = None
+    return text if text is not None else traceback.format_exc(), blob
 
 
 class WorkerHost:
@@ -47,19 +62,19 @@ class WorkerHost:
         os.environ.update(env or {})
         try:
             self.worker = MegatronPolicyWorker(**kwargs)
-        except BaseException:
-            return call_id, "error", traceback.format_exc(), 0.0
+        except BaseException as e:
+            return call_id, "error", failure(e), 0.0
         return call_id, "ok", os.getpid(), 0.0
 
     def execute(self, call_id: int, call: str, kwargs: dict[str, Any]) -> Answer:
         """Run the worker's method `call` (a name from the driver's table of calls)."""
         if self.worker is None:
-            return call_id, "error", "the worker was not started", 0.0
+            return call_id, "error", failure(text="the worker was not started"), 0.0
         start = time.perf_counter()
         try:
             value = to_host(getattr(self.worker, call)(**kwargs))
-        except BaseException:
-            return call_id, "error", traceback.format_exc(), 0.0
+        except BaseException as e:
+            return call_id, "error", failure(e), 0.0
         return call_id, "ok", value, time.perf_counter() - start
 
     def close(self) -> None:
@@ -101,7 +116,7 @@ def serve(conn: Connection, env: dict[str, str], log_levels: dict[str, int]) -> 
         try:
             payload = pickle.loads(payload_bytes)
         except BaseException:
-            answer: Answer = (call_id, "error", _unpickle_error(), 0.0)
+            answer: Answer = (call_id, "error", failure(text=_unpickle_error()), 0.0)
         else:
             answer = (
                 host.start(call_id, payload) if kind == "start" else host.execute(call_id, *payload)

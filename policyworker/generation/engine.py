@@ -32,7 +32,7 @@ class Samples:
 
 
 class HFEngine:
-    """Sampling with temperature from a transformers causal LM (no top-k / top-p filtering)."""
+    """Sampling with temperature, top-k and top-p from a transformers causal LM."""
 
     def __init__(
         self,
@@ -69,8 +69,21 @@ class HFEngine:
 
     @torch.no_grad()
     def sample(
-        self, prompts: list[str], *, n: int, max_new_tokens: int, temperature: float, seed: int
+        self,
+        prompts: list[str],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> Samples:
+        """Responses drawn from logits / temperature restricted to the `top_k` most likely tokens
+        (0: all) and the smallest set of probability >= `top_p`, renormalized. Their generation
+        logprobs are of that distribution (what the token was drawn from, as vLLM reports its
+        processed logprobs): with filtering they exceed `get_logprobs`'s by the log of the mass
+        kept."""
         tok = self.tokenizer
         assert tok is not None, "sampling needs the engine's tokenizer"
         encoded = [self.encode_prompt(p) for p in prompts for _ in range(n)]
@@ -87,8 +100,8 @@ class HFEngine:
             attention_mask=attn,
             do_sample=True,
             temperature=temperature,
-            top_k=0,
-            top_p=1.0,
+            top_k=top_k,
+            top_p=top_p,
             max_new_tokens=max_new_tokens,
             pad_token_id=pad,
             eos_token_id=tok.eos_token_id,

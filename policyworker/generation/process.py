@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from policyworker.generation.engine import Samples
 from policyworker.refit.buffers import remove_leftovers
 from policyworker.refit.layout import RefitError, RefitInfo
 
@@ -91,7 +92,37 @@ class GenerationProcess:
         refit, self._refit = self._refit, None
         return self._wait(refit, self.timeout_s * 2, "refit")
 
-    def sample(self, prompts: list[str], **kwargs: Any) -> Any:
+    def sample(
+        self,
+        prompts: list[str],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int = 0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> Samples:
+        """`n` responses per prompt with their generation logprobs (`HFEngine.sample` says which
+        distribution they are of under top-k / top-p); `seed` makes the draw reproducible."""
+        checks = (
+            ("n", isinstance(n, int) and n >= 1, "an int >= 1", n),
+            ("max_new_tokens", isinstance(max_new_tokens, int) and max_new_tokens >= 1, "an int >= 1", max_new_tokens),
+            ("temperature", isinstance(temperature, int | float) and 0 < temperature < float("inf"), "a finite number > 0", temperature),
+            ("top_k", isinstance(top_k, int) and top_k >= 0, "an int >= 0 (0: off)", top_k),
+            ("top_p", isinstance(top_p, int | float) and 0 < top_p <= 1, "a number in (0, 1]", top_p),
+        )  # fmt: skip
+        for name, ok, expected, value in checks:
+            if not ok:
+                raise ValueError(f"{name}: expected {expected}, got {value!r}")
+        kwargs = dict(
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            top_k=top_k,
+            top_p=top_p,
+        )
         return self._call("sample", (prompts,), kwargs)
 
     def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -185,7 +185,7 @@ def build_scheduler(
     global batch): warm-up, then constant / linear / cosine to min_lr."""
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if sched.warmup_steps else opt.lr,
+        init_lr=sched.warmup_init if sched.warmup_steps else opt.lr,
         max_lr=opt.lr,
         min_lr=opt.min_lr,
         lr_warmup_steps=sched.warmup_steps,
@@ -223,7 +223,8 @@ def restore_schedule(
         "eps": (opt.eps, groups[0]["eps"] if groups else opt.eps),
     }
     scheduler.max_lr, scheduler.min_lr = saved["max_lr"], saved["min_lr"]
-    scheduler.init_lr = 0.0 if saved["lr_warmup_steps"] else saved["max_lr"]
+    # not in megatron's saved state: the config's warm-up start, with the checkpoint's warm-up
+    scheduler.init_lr = sched.warmup_init if saved["lr_warmup_steps"] else saved["max_lr"]
     scheduler.lr_warmup_steps = saved["lr_warmup_steps"]
     scheduler.lr_decay_steps = saved["lr_decay_steps"]
     scheduler.lr_decay_style = saved["lr_decay_style"]

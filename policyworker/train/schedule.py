@@ -121,6 +121,19 @@ def reduce_metrics(
     return dict(zip(keys, values.tolist(), strict=True))
 
 
+def per_microbatch(
+    stores: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> dict[str, list[float]]:
+    """Each metric's value in every micro-batch of every data-parallel rank (rank order), as
+    NeMo-RL's `all_mb_metrics`; each is that micro-batch's share of the global figure."""
+    mine = {k: [float(s[k]) for s in stores] for k in (sorted(stores[0]) if stores else [])}
+    if group is None or dist.get_world_size(group) == 1:
+        return mine
+    everyone: list[dict[str, list[float]]] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, mine, group=group)
+    return {k: [v for rank in everyone for v in rank.get(k, [])] for k in mine}
+
+
 def split_for_training(
     batch: BatchedDataDict, plan: MicrobatchPlan, mbs: int, rows_per_example: int, groups: Groups
 ) -> list[Microbatch]:

@@ -38,6 +38,7 @@ from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.schedule import (
     loss_inputs,
+    per_microbatch,
     reduce_metrics,
     run_microbatches,
     split_for_training,
@@ -56,6 +57,8 @@ class StepResult:
     skipped: bool
     """True when a non-finite gradient made the step a no-op."""
     lr: float
+    per_microbatch: dict[str, list[float]]
+    """Each metric per micro-batch (every DP rank's): NeMo-RL's `all_mb_metrics`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,12 +149,12 @@ def finish_step(
     """Reduce, normalize, clip, step the optimizer and the scheduler; the metrics of the step."""
     spec = step.spec
     counts = spec.known_counts or sum_over_dp(step.local_counts, groups.dp)
-    metrics = _metrics(step, counts, groups)
+    metrics, per_mb = _metrics(step, counts, groups)
     metrics |= {name: float(value) for name, value in counts.items()}
     metrics["num_microbatches"] = float(step.num_microbatches)
     lr = float(optimizer.param_groups[0]["lr"])
     if spec.eval_mode:
-        return StepResult(metrics=metrics, grad_norm=0.0, skipped=False, lr=lr)
+        return StepResult(metrics, grad_norm=0.0, skipped=False, lr=lr, per_microbatch=per_mb)
     finalize_model_grads([ddp], num_tokens=None)
     divisor = 1.0
     if spec.known_counts is None:
@@ -166,7 +169,9 @@ def finish_step(
     else:
         log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
     zero_grads(ddp, optimizer)  # outside a step the grad buffers are zero
-    return StepResult(metrics=metrics, grad_norm=grad_norm, skipped=not applied, lr=lr)
+    return StepResult(
+        metrics, grad_norm=grad_norm, skipped=not applied, lr=lr, per_microbatch=per_mb
+    )
 
 
 def check_batch_sizes(*, gbs: int, mbs: int, rows: int, dp: int) -> int:
@@ -213,16 +218,22 @@ def summarize(results: list[StepResult]) -> dict[str, Any]:
     out["lr"] = results[-1].lr
     out["num_global_batches"] = len(results)
     out["skipped_steps"] = sum(r.skipped for r in results)
+    out["all_mb_metrics"] = {
+        k: [v for r in results for v in r.per_microbatch[k]] for k in results[0].per_microbatch
+    }
     return out
 
 
-def _metrics(step: OpenStep, counts: dict[str, torch.Tensor], groups: Groups) -> dict[str, float]:
-    """The loss's metrics of every micro-batch with the true counts, reduced over DP; every
-    pipeline stage gets those of the last."""
+def _metrics(
+    step: OpenStep, counts: dict[str, torch.Tensor], groups: Groups
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """The loss's metrics of every micro-batch with the true counts: reduced over DP, and per
+    micro-batch; every pipeline stage gets those of the last."""
     loss_fn = step.spec.loss_fn
     with torch.no_grad():
         stores = [loss_fn(inputs, data, counts)[1] for inputs, data in step.records]
-    return broadcast_object_from_last_stage(reduce_metrics(stores, groups.dp), groups)
+    both = (reduce_metrics(stores, groups.dp), per_microbatch(stores, groups.dp))
+    return broadcast_object_from_last_stage(both, groups)
 
 
 def _detached(inputs: LossInputs) -> LossInputs:

@@ -69,7 +69,9 @@ class SchedulerConfig:
     style: Literal["constant", "linear", "cosine"] = "constant"
     """Decay after warm-up: none, linear to `min_lr`, or cosine to `min_lr`."""
     warmup_steps: int = 0
-    """Steps of linear warm-up from 0 to `lr`."""
+    """Steps of linear warm-up from `warmup_init` to `lr`."""
+    warmup_init: float = 0.0
+    """The learning rate the warm-up starts from (NeMo-RL's `lr_warmup_init`)."""
     decay_steps: int = 1000
     """Steps (warm-up included) over which linear/cosine decay reaches `min_lr`."""
 
@@ -77,6 +79,8 @@ class SchedulerConfig:
         styles = ("constant", "linear", "cosine")
         _check(self.style in styles, f"{prefix}.style", f"one of {styles}", self.style)
         _check(self.warmup_steps >= 0, f"{prefix}.warmup_steps", ">= 0", self.warmup_steps)
+        w = self.warmup_init
+        _check(finite(w) and w >= 0, f"{prefix}.warmup_init", "a finite number >= 0", w)
         _check(
             self.decay_steps > self.warmup_steps,
             f"{prefix}.decay_steps",
@@ -244,6 +248,7 @@ class PolicyConfig:
     """Distributed checkpoints."""
 
     def __post_init__(self) -> None:
+        _sections_from_dicts(self)
         self.validate()
 
     def validate(self) -> None:
@@ -338,6 +343,18 @@ def _convert(tp: Any, value: Any, name: str) -> Any:
     return value
 
 
+def _sections_from_dicts(cfg: Any) -> None:
+    """A sub-config given as a dict (`PolicyConfig(parallel={...})`) becomes its dataclass;
+    anything else that is not one is a `ValueError` naming the field."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        tp, value = hints[f.name], getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(tp) or isinstance(value, tp):
+            continue
+        _check(isinstance(value, dict), f.name, f"{tp.__name__} or a mapping", value)
+        setattr(cfg, f.name, from_dict(tp, value, prefix=f"{f.name}."))  # type: ignore[arg-type]
+
+
 def from_dict[T](cls: type[T], data: dict[str, Any], *, prefix: str = "") -> T:
     """Build dataclass `cls` from a (nested) dict; an unknown key is a `ValueError`."""
     hints = typing.get_type_hints(cls)
@@ -369,20 +386,31 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config[T](
-    path: str | Path | None, overrides: list[str] | None = None, cls: type[T] = PolicyConfig
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    cls: type[T] = PolicyConfig,  # type: ignore[assignment]
+    *,
+    ignore_unsupported: bool = False,
 ) -> T:
-    """Read a YAML file (or nothing), apply dotted overrides, build and validate `cls`."""
+    """Read a YAML file (or nothing), apply dotted overrides, build and validate `cls`.
+
+    A NeMo-RL recipe or policy section (`policy:` / `megatron_cfg:`; `defaults:` inheritance and
+    interpolations included) is read as a `PolicyConfig` through `config.nemo_rl`: every key it
+    has that we do not is named in a `ValueError`, unless `ignore_unsupported` (then a warning
+    lists them). Overrides use the file's own key names."""
+    from policyworker.config import nemo_rl
+
     data: dict[str, Any] = {}
     if path is not None:
         if not Path(path).is_file():
             raise ValueError(f"config file {path}: no such file")
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = nemo_rl.read_recipe(Path(path))
         except yaml.YAMLError as e:
             raise ValueError(f"config file {path}: not valid YAML ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"config file {path}: expected a mapping at the top level")
     apply_overrides(data, overrides or [])
+    if cls is PolicyConfig and nemo_rl.is_nemo_rl(data):
+        data = nemo_rl.policy_dict(data, ignore_unsupported=ignore_unsupported)
     return from_dict(cls, data)
 
 

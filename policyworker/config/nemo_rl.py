@@ -1,0 +1,332 @@
+"""NeMo-RL policy configs read as `PolicyConfig`: a recipe YAML (or its `policy:` section), with
+`defaults:` inheritance and OmegaConf-style interpolations (`${policy.x}`, `${..x}`,
+`${mul:a, b}`), mapped key by key.
+
+Each reference key is one of: mapped to a field of ours (`MAPPED`), accepted because its value is
+what we do anyway (`SAME`), unused by the Megatron backend (the DTensor backend's `optimizer`,
+`scheduler`, `dtensor_cfg`, and every key of a section whose `enabled` is false), or unsupported.
+Unsupported keys are all named in one `ValueError`, unless the caller asks to ignore them (then
+they are listed in a warning) — never dropped silently. docs/nemo-rl-config.md has the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+# reference key (under `policy.`) -> our dotted field
+MAPPED: dict[str, str] = {
+    "model_name": "model_name",
+    "train_global_batch_size": "train_global_batch_size",
+    "train_micro_batch_size": "train_micro_batch_size",
+    "logprob_batch_size": "logprob_batch_size",
+    "max_total_sequence_length": "max_total_sequence_length",
+    "precision": "precision",
+    "max_grad_norm": "max_grad_norm",
+    "generation.temperature": "temperature",
+    "make_sequence_length_divisible_by": "sequence_packing.make_sequence_length_divisible_by",
+    "megatron_cfg.tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+    "megatron_cfg.pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
+    "megatron_cfg.context_parallel_size": "parallel.context_parallel_size",
+    "megatron_cfg.expert_model_parallel_size": "parallel.expert_model_parallel_size",
+    "megatron_cfg.sequence_parallel": "parallel.sequence_parallel",
+    "megatron_cfg.optimizer.lr": "optimizer.lr",
+    "megatron_cfg.optimizer.min_lr": "optimizer.min_lr",
+    "megatron_cfg.optimizer.weight_decay": "optimizer.weight_decay",
+    "megatron_cfg.optimizer.adam_beta1": "optimizer.betas.0",
+    "megatron_cfg.optimizer.adam_beta2": "optimizer.betas.1",
+    "megatron_cfg.optimizer.adam_eps": "optimizer.eps",
+    "megatron_cfg.optimizer.use_distributed_optimizer": "optimizer.use_distributed_optimizer",
+    "megatron_cfg.scheduler.lr_decay_style": "scheduler.style",
+    "megatron_cfg.scheduler.lr_warmup_iters": "scheduler.warmup_steps",
+    "megatron_cfg.scheduler.lr_warmup_init": "scheduler.warmup_init",
+    "megatron_cfg.scheduler.lr_decay_iters": "scheduler.decay_steps",
+    "megatron_cfg.checkpoint.async_save": "checkpoint.async_save",
+    "sequence_packing.enabled": "sequence_packing.enabled",
+    "sequence_packing.train_mb_tokens": "sequence_packing.train_mb_tokens",
+    "sequence_packing.logprob_mb_tokens": "sequence_packing.logprob_mb_tokens",
+    "sequence_packing.algorithm": "sequence_packing.algorithm",
+    "dynamic_batching.enabled": "dynamic_batching.enabled",
+    "dynamic_batching.train_mb_tokens": "dynamic_batching.train_mb_tokens",
+    "dynamic_batching.logprob_mb_tokens": "dynamic_batching.logprob_mb_tokens",
+}
+
+# reference key -> (what it must be given the rest, why); a test on the resolved policy section
+SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "megatron_cfg.enabled": lambda v, p: v is True,
+    "tokenizer.name": lambda v, p: v == p.get("model_name"),  # the worker takes a tokenizer
+    "megatron_cfg.optimizer.optimizer": lambda v, p: v == "adam",
+    "megatron_cfg.optimizer.bf16": lambda v, p: v == (p.get("precision") == "bfloat16"),
+    "megatron_cfg.optimizer.fp16": lambda v, p: v is False,
+    "megatron_cfg.optimizer.params_dtype": lambda v, p: v == "float32",
+    "megatron_cfg.optimizer.clip_grad": lambda v, p: v == (p.get("max_grad_norm") or 0),
+    "megatron_cfg.pipeline_dtype": lambda v, p: v == p.get("precision"),
+    "megatron_cfg.expert_tensor_parallel_size": lambda v, p: v == 1,
+    "megatron_cfg.activation_checkpointing": lambda v, p: v is False,
+    "megatron_cfg.scheduler.start_weight_decay": lambda v, p: v == _wd(p),
+    "megatron_cfg.scheduler.end_weight_decay": lambda v, p: v == _wd(p),
+    "megatron_cfg.scheduler.weight_decay_incr_style": lambda v, p: v == "constant",
+    # features we do not have, switched off
+    "megatron_cfg.cuda_graph_impl": lambda v, p: v == "none",
+    "megatron_cfg.fine_grained_activation_offloading": lambda v, p: v is False,
+    "megatron_cfg.use_fused_linear_logprobs": lambda v, p: v is False,
+    "megatron_cfg.mtp_num_layers": lambda v, p: v == 0,
+    "megatron_cfg.gradient_accumulation_fusion": lambda v, p: v is False,
+    "megatron_cfg.use_fused_weighted_squared_relu": lambda v, p: v is False,
+    "megatron_cfg.defer_fp32_logits": lambda v, p: v is False,
+    "megatron_cfg.force_reconvert_from_hf": lambda v, p: v is False,  # HF weights read directly
+    "megatron_cfg.optimizer.optimizer_cpu_offload": lambda v, p: v is False,
+    "megatron_cfg.optimizer.optimizer_offload_fraction": lambda v, p: v == 0,
+    "megatron_cfg.optimizer.overlap_cpu_optimizer_d2h_h2d": lambda v, p: v is False,
+    "megatron_cfg.distributed_data_parallel_config.use_custom_fsdp": lambda v, p: v is False,
+    "tokenizer.use_fastokens": lambda v, p: v is False,
+    "offload_optimizer_for_logprob": lambda v, p: v is False,
+    "megatron_cfg.use_gloo_process_groups": lambda v, p: v is False,  # NCCL on GPU, as here
+    # the logprobs of get_logprobs are of the unfiltered distribution
+    "generation.top_p": lambda v, p: v == 1.0,
+    "generation.top_k": lambda v, p: v is None,
+}
+
+# keys whose settings only act on what they belong to, which is off or absent here
+_INERT: dict[str, Callable[[dict[str, Any]], bool]] = {
+    "megatron_cfg.cuda_graph_": lambda p: _mcore(p).get("cuda_graph_impl") == "none",
+    "megatron_cfg.fused_linear_logprobs_": lambda p: not _mcore(p).get("use_fused_linear_logprobs"),
+    "megatron_cfg.recompute_": lambda p: not _mcore(p).get("activation_checkpointing"),
+    "megatron_cfg.mtp_": lambda p: not _mcore(p).get("mtp_num_layers"),
+    "megatron_cfg.moe_": lambda p: True,  # dense models only (MoE is refused when built)
+    "megatron_cfg.freeze_moe_router": lambda p: True,
+    "megatron_cfg.optimizer.sgd_": lambda p: (
+        _mcore(p).get("optimizer", {}).get("optimizer") == "adam"
+    ),
+    "generation.": lambda p: True,  # the generation engine's settings (temperature aside)
+    "generation_batch_size": lambda p: True,  # the HF generation backend's
+}
+
+_RESOLVERS: dict[str, Callable[..., Any]] = {
+    "mul": lambda a, b: a * b,
+    "add": lambda a, b: a + b,
+    "div": lambda a, b: a / b,
+    "max": lambda a, b: max(a, b),
+}
+_SECTION_SWITCH = "enabled"
+_DTENSOR_ONLY = ("optimizer", "scheduler", "dtensor_cfg")  # the other backend's settings
+_NULL_MEANS = {"max_grad_norm": 0.0}  # null: no clipping (0 here); other nulls: our default
+
+
+def _mcore(policy: dict[str, Any]) -> dict[str, Any]:
+    return policy.get("megatron_cfg", {})
+
+
+def _wd(policy: dict[str, Any]) -> Any:
+    return _mcore(policy).get("optimizer", {}).get("weight_decay")
+
+
+def _accepted(key: str, value: Any, policy: dict[str, Any]) -> bool:
+    """Whether a key that maps to nothing of ours changes nothing here: its value is what we do
+    (`SAME`), it sets nothing (null, empty), it belongs to what is off or absent (`_INERT`),
+    to the DTensor backend, or to a section switched off."""
+    if key in SAME:
+        return SAME[key](value, policy)
+    if value is None or value == {} or value == []:
+        return True
+    if any(key.startswith(prefix) and inert(policy) for prefix, inert in _INERT.items()):
+        return True
+    return key.split(".")[0] in _DTENSOR_ONLY or _in_disabled_section(policy, key)
+
+
+def is_nemo_rl(data: dict[str, Any]) -> bool:
+    """A NeMo-RL recipe (a `policy:` section) or its policy section (a `megatron_cfg:`)."""
+    return isinstance(data.get("policy"), dict) or "megatron_cfg" in data
+
+
+def read_recipe(path: Path) -> dict[str, Any]:
+    """A recipe YAML with its `defaults:` (one or a list, relative to the file) merged under it,
+    as NeMo-RL composes them; nothing resolved yet."""
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping at the top level")
+    parents = data.pop("defaults", None) or []
+    merged: dict[str, Any] = {}
+    for parent in [parents] if isinstance(parents, str) else parents:
+        base = Path(parent) if str(parent).startswith("/") else path.parent / parent
+        if not base.is_file():
+            raise ValueError(f"config file {path}: defaults {parent}: no such file ({base})")
+        merged = _merge(merged, read_recipe(base))
+    return _merge(merged, data)
+
+
+def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, Any]:
+    """Our `PolicyConfig` fields (as a nested dict) from a NeMo-RL recipe or policy section."""
+    root = data if isinstance(data.get("policy"), dict) else {"policy": data}
+    policy = _resolve(root["policy"], ["policy"], root)  # only what we read is resolved
+    if policy.get("megatron_cfg", {}).get("enabled") is not True:
+        raise ValueError(
+            "NeMo-RL config: policy.megatron_cfg.enabled: expected true (policyworker is the "
+            "Megatron backend; a DTensor policy config has no equivalent here)"
+        )
+    ours: dict[str, Any] = {}
+    unsupported: list[str] = []
+    for key, value in _leaves(policy):
+        if key in MAPPED:
+            if value is not None or MAPPED[key] in _NULL_MEANS:
+                _put(
+                    ours,
+                    MAPPED[key],
+                    _NULL_MEANS.get(MAPPED[key], value) if value is None else value,
+                )
+        elif not _accepted(key, value, policy):
+            unsupported.append(f"policy.{key}={value!r}")
+    if unsupported:
+        listing = ", ".join(unsupported)
+        if not ignore_unsupported:
+            raise ValueError(
+                f"NeMo-RL config: {len(unsupported)} keys have no equivalent here (pass "
+                f"ignore_unsupported=True to load without them): {listing}"
+            )
+        log.warning("NeMo-RL config: ignoring %d unsupported keys: %s", len(unsupported), listing)
+    if isinstance(ours.get("optimizer", {}).get("betas"), dict):
+        betas = ours["optimizer"]["betas"]
+        ours["optimizer"]["betas"] = [betas.get("0", 0.9), betas.get("1", 0.999)]
+    return ours
+
+
+def _in_disabled_section(policy: dict[str, Any], key: str) -> bool:
+    """Whether `key` lies in a section switched off by `enabled: false` (its settings unused)."""
+    node: Any = policy
+    for part in key.split(".")[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(_SECTION_SWITCH) is False:
+            return True
+    return False
+
+
+def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        out = []
+        for k, v in node.items():
+            out += _leaves(v, f"{prefix}{k}.")
+        return out
+    return [(prefix[:-1], node)]
+
+
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and v.pop("_override_", False):
+            out[k] = v
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+# --- interpolation ------------------------------------------------------------------------------
+
+
+def _resolve(node: Any, path: list[str], root: dict[str, Any], depth: int = 0) -> Any:
+    if isinstance(node, dict):
+        return {k: _resolve(v, [*path, str(k)], root, depth) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, [*path, str(i)], root, depth) for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+        return _interpolate(node, path, root, depth)
+    return node
+
+
+def _interpolate(text: str, path: list[str], root: dict[str, Any], depth: int) -> Any:
+    if depth > 32:
+        raise ValueError(f"NeMo-RL config: {'.'.join(path)}: interpolation too deep (a cycle?)")
+    spans = _spans(text)
+    if len(spans) == 1 and spans[0] == (0, len(text)):  # the whole value: keep its type
+        return _evaluate(text[2:-1], path, root, depth)
+    out, last = [], 0
+    for start, end in spans:
+        out += [text[last:start], str(_evaluate(text[start + 2 : end - 1], path, root, depth))]
+        last = end
+    return "".join([*out, text[last:]])
+
+
+def _spans(text: str) -> list[tuple[int, int]]:
+    """[start, end) of each top-level `${...}` of `text`."""
+    spans, i = [], 0
+    while (start := text.find("${", i)) >= 0:
+        level, j = 0, start
+        while j < len(text):
+            if text.startswith("${", j):
+                level, j = level + 1, j + 2
+                continue
+            if text[j] == "}":
+                level -= 1
+                if level == 0:
+                    break
+            j += 1
+        if level:
+            raise ValueError(f"NeMo-RL config: unbalanced interpolation in {text!r}")
+        spans.append((start, j + 1))
+        i = j + 1
+    return spans
+
+
+def _evaluate(expr: str, path: list[str], root: dict[str, Any], depth: int) -> Any:
+    name, sep, rest = expr.partition(":")
+    if sep and re.fullmatch(r"[a-z_]+", name):
+        if name not in _RESOLVERS:
+            raise ValueError(f"NeMo-RL config: {'.'.join(path)}: unknown resolver {name!r}")
+        args = [_argument(a, path, root, depth) for a in _split_args(rest)]
+        return _RESOLVERS[name](*args)
+    return _lookup(expr.strip(), path, root, depth)
+
+
+def _argument(text: str, path: list[str], root: dict[str, Any], depth: int) -> Any:
+    text = text.strip()
+    if "${" in text:
+        return _interpolate(text, path, root, depth + 1)
+    return yaml.safe_load(text)
+
+
+def _split_args(text: str) -> list[str]:
+    args, level, current = [], 0, ""
+    for i, ch in enumerate(text):
+        if text.startswith("${", i):
+            level += 1
+        elif ch == "}":
+            level -= 1
+        if ch == "," and level == 0:
+            args.append(current)
+            current = ""
+        else:
+            current += ch
+    return [*args, current]
+
+
+def _lookup(ref: str, path: list[str], root: dict[str, Any], depth: int) -> Any:
+    """`a.b.c` from the root; `.x` beside the value, `..x` one level up, and so on."""
+    if ref.startswith("."):
+        dots = len(ref) - len(ref.lstrip("."))
+        keys = [*path[: len(path) - dots], *ref[dots:].split(".")]
+    else:
+        keys = ref.split(".")
+    node: Any = root
+    for key in keys:
+        if isinstance(node, list) and key.isdigit():
+            node = node[int(key)]
+        elif isinstance(node, dict) and key in node:
+            node = node[key]
+        else:
+            raise ValueError(f"NeMo-RL config: {'.'.join(path)}: ${{{ref}}} names nothing")
+    return _resolve(node, keys, root, depth + 1)

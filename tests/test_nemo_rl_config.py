@@ -1,0 +1,122 @@
+"""NeMo-RL's own example configs (tests/data/nemo_rl) read as `PolicyConfig`: `defaults:`
+inheritance, interpolations, every mapped key, and every key without an equivalent named."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from policyworker.config import PolicyConfig, load_config
+
+DATA = Path(__file__).parent / "data" / "nemo_rl"
+MEGATRON = [
+    "grpo_math_1B_megatron.yaml",
+    "sft_openmathinstruct2_megatron.yaml",
+    "distillation_math_megatron.yaml",
+    "recipes/llm/dpo-llama3.1-8b-instruct-4n8g-megatron.v2.yaml",
+]
+
+
+@pytest.mark.parametrize("name", MEGATRON)
+def test_the_reference_examples_name_what_has_no_equivalent(name, caplog):
+    with pytest.raises(ValueError, match=r"policy\.megatron_cfg\.apply_rope_fusion=True") as e:
+        load_config(DATA / name)
+    assert "ignore_unsupported=True" in str(e.value)
+    with caplog.at_level("WARNING", logger="policyworker.config.nemo_rl"):
+        cfg = load_config(DATA / name, ignore_unsupported=True)
+    assert isinstance(cfg, PolicyConfig) and "apply_rope_fusion" in caplog.text
+
+
+def test_grpo_example_maps_every_value():
+    cfg = load_config(DATA / "grpo_math_1B_megatron.yaml", ignore_unsupported=True)
+    assert cfg.model_name == "Qwen/Qwen2.5-1.5B" and cfg.precision == "bfloat16"
+    assert (cfg.train_global_batch_size, cfg.train_micro_batch_size) == (512, 4)
+    assert cfg.logprob_batch_size == 4  # the base file's own ${policy.train_micro_batch_size}
+    assert cfg.max_total_sequence_length == 512 and cfg.max_grad_norm == 1.0
+    o, s = cfg.optimizer, cfg.scheduler
+    assert (o.lr, o.min_lr, o.weight_decay, o.betas, o.eps) == (
+        5e-6,
+        5e-7,
+        0.01,
+        (0.9, 0.999),
+        1e-8,
+    )
+    assert o.use_distributed_optimizer
+    assert (s.style, s.warmup_steps, s.warmup_init, s.decay_steps) == ("constant", 13, 5e-7, 1000)
+    p = cfg.sequence_packing
+    assert p.enabled and p.train_mb_tokens == p.logprob_mb_tokens == 512 * 4  # ${mul:...}
+    assert p.algorithm == "modified_first_fit_decreasing"
+    assert cfg.parallel.tensor_model_parallel_size == 1 and cfg.temperature == 1.0
+
+
+def test_inheritance_and_interpolation_of_the_other_examples():
+    dpo = load_config(DATA / MEGATRON[3], ignore_unsupported=True)  # defaults: ../../dpo.yaml
+    assert dpo.model_name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert dpo.parallel.tensor_model_parallel_size == 4 and dpo.parallel.sequence_parallel
+    assert dpo.sequence_packing.make_sequence_length_divisible_by == 4  # ${policy.megatron_cfg...}
+    sft = load_config(DATA / MEGATRON[1], ignore_unsupported=True)  # two levels of defaults
+    assert sft.max_grad_norm == 0.0  # null: no clipping
+    distill = load_config(DATA / MEGATRON[2], ignore_unsupported=True)
+    p = distill.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (2, 2)
+
+
+def test_overrides_use_the_references_key_names():
+    cfg = load_config(
+        DATA / MEGATRON[0],
+        ["policy.megatron_cfg.optimizer.lr=1e-6", "policy.train_micro_batch_size=2"],
+        ignore_unsupported=True,
+    )
+    assert cfg.optimizer.lr == 1e-6 and cfg.train_micro_batch_size == 2
+    assert cfg.logprob_batch_size == 2  # ${policy.train_micro_batch_size}, resolved after
+
+
+def test_a_policy_section_of_supported_keys_loads_without_a_word(tmp_path, caplog):
+    section = {
+        "model_name": "/ckpt",
+        "precision": "float32",
+        "max_grad_norm": 0.5,
+        "optimizer": None,
+        "dtensor_cfg": {"enabled": False, "tensor_parallel_size": 8},
+        "megatron_cfg": {
+            "enabled": True,
+            "context_parallel_size": 2,
+            "optimizer": {"lr": 3e-6, "adam_beta2": 0.95, "clip_grad": "${policy.max_grad_norm}"},
+            "peft": {"enabled": False, "dim": 8},
+        },
+    }
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(section))
+    with caplog.at_level("WARNING"):
+        cfg = load_config(path)
+    assert not caplog.text
+    assert cfg.parallel.context_parallel_size == 2 and cfg.optimizer.betas == (0.9, 0.95)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"megatron_cfg": {"enabled": False}}, "megatron_cfg.enabled: expected true"),
+        ({"megatron_cfg": {"enabled": True, "optimizer": {"clip_grad": 2.0}}}, "clip_grad=2.0"),
+        ({"megatron_cfg": {"enabled": True}, "x": "${policy.nothing}"}, "names nothing"),
+        ({"megatron_cfg": {"enabled": True}, "x": "${pow:2, 3}"}, "unknown resolver"),
+    ],
+)
+def test_configs_that_cannot_be_read_say_why(tmp_path, change, match):
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({"model_name": "/ckpt", **change}))
+    with pytest.raises(ValueError, match=match):
+        load_config(path)
+
+
+def test_the_dtensor_example_is_refused():
+    with pytest.raises(ValueError, match="DTensor"):
+        load_config(DATA / "grpo_math_1B.yaml", ignore_unsupported=True)
+
+
+def test_every_mapped_key_is_in_the_docs_table():
+    from policyworker.config.nemo_rl import MAPPED
+
+    table = (Path(__file__).parent.parent / "docs" / "nemo-rl-config.md").read_text()
+    for theirs, ours in MAPPED.items():
+        assert f"| `{theirs}` | `{ours}` |" in table, theirs
