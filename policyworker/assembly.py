@@ -5,8 +5,8 @@ residency, checkpointer). Built once; a worker is shut down at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import functools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,7 +208,6 @@ def micro_batch_plan(w: Parts) -> MicrobatchPlan:
 
 
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-_EXIT_HOOK: list[Callable[[], None]] = []
 
 
 def shutdown_at_exit(worker: Any) -> None:
@@ -216,7 +215,10 @@ def shutdown_at_exit(worker: Any) -> None:
     ends still commits its pending async save, and joins its writer threads while the
     interpreter can still run them). Registered after `setup_parallel`'s hook, so it runs
     before the process groups are destroyed."""
-    if not _EXIT_HOOK:
-        _EXIT_HOOK.append(lambda: [w.shutdown() for w in list(_LIVE)])
-        atexit.register(_EXIT_HOOK[0])
+    _register_shutdown_hook()
     _LIVE.add(worker)
+
+
+@functools.cache
+def _register_shutdown_hook() -> None:
+    atexit.register(lambda: [w.shutdown() for w in list(_LIVE)])

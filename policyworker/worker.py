@@ -331,7 +331,7 @@ class MegatronPolicyWorker:
             tokenizer=self.tokenizer,
             async_save=self.cfg.checkpoint.async_save if async_save is None else async_save,
         )
-        if tokenizer_path is not None and self.tokenizer is not None and dist.get_rank() == 0:
+        if tokenizer_path is not None and dist.get_rank() == 0:  # a tokenizer, checked above
             self.tokenizer.save_pretrained(tokenizer_path)
 
     def finalize_async_save(self) -> bool:

@@ -45,7 +45,6 @@ from policyworker.checkpoint.commit import (
 )
 from policyworker.checkpoint.writes import (
     PendingSave,
-    discard,
     failure,
     first_error,
     join_writes,
@@ -207,16 +206,6 @@ class Checkpointer:
             self._commit(pending)
         except BaseException as e:
             raise failure(pending, e) from e
-        return True
-
-    def abort(self) -> bool:
-        """Drop a pending async save without committing it (its writer is waited for, its
-        temporary files removed); whether there was one. Not collective."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return False
-        join_writes(pending)
-        discard(pending)
         return True
 
     def _commit(self, pending: PendingSave) -> None:

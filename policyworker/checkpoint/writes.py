@@ -105,12 +105,15 @@ def failure(pending: PendingSave, error: BaseException) -> BaseException:
 
 
 def _disk_full(pending: PendingSave, error: BaseException) -> str | None:
-    """ "no space left on device ..." when that is why the save failed (the writers report
-    only their exception types, so the file system is asked too)."""
-    chain: list[BaseException] = [error, *pending.errors]
-    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)  # type: ignore[arg-type]
-    nospace = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    """ "no space left on device ..." when that is why the save failed: an ENOSPC anywhere in
+    the failures' cause chains, or (megatron's finalization reports only what failed, not why)
+    a file system with less than 1 MiB left."""
+    nospace = False
+    for root in (error, *pending.errors):
+        e: BaseException | None = root
+        while e is not None:
+            nospace |= isinstance(e, OSError) and e.errno == errno.ENOSPC
+            e = e.__cause__ or e.__context__
     for tmp, target, _ in pending.commits:
         with contextlib.suppress(OSError):
             free = shutil.disk_usage(tmp).free

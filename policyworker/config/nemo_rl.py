@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from policyworker.config import OptimizerConfig
+
 log = logging.getLogger(__name__)
 
 # reference key (under `policy.`) -> our dotted field
@@ -175,12 +177,10 @@ def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, 
     unsupported: list[str] = []
     for key, value in _leaves(policy):
         if key in MAPPED:
-            if value is not None or MAPPED[key] in _NULL_MEANS:
-                _put(
-                    ours,
-                    MAPPED[key],
-                    _NULL_MEANS.get(MAPPED[key], value) if value is None else value,
-                )
+            if value is None:  # null: our default, unless it means something (`_NULL_MEANS`)
+                value = _NULL_MEANS.get(MAPPED[key])
+            if value is not None:
+                _put(ours, MAPPED[key], value)
         elif not _accepted(key, value, policy):
             unsupported.append(f"policy.{key}={value!r}")
     if unsupported:
@@ -191,9 +191,9 @@ def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, 
                 f"ignore_unsupported=True to load without them): {listing}"
             )
         log.warning("NeMo-RL config: ignoring %d unsupported keys: %s", len(unsupported), listing)
-    if isinstance(ours.get("optimizer", {}).get("betas"), dict):
-        betas = ours["optimizer"]["betas"]
-        ours["optimizer"]["betas"] = [betas.get("0", 0.9), betas.get("1", 0.999)]
+    if isinstance(ours.get("optimizer", {}).get("betas"), dict):  # adam_beta1 / adam_beta2
+        given, default = ours["optimizer"]["betas"], OptimizerConfig().betas
+        ours["optimizer"]["betas"] = [given.get(str(i), default[i]) for i in range(2)]
     return ours
 
 

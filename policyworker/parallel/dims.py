@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import logging
 import os
 import socket
@@ -273,13 +274,14 @@ def setup_parallel(parallel: ParallelConfig) -> tuple[ParallelDims, Groups]:
         sp=parallel.sequence_parallel,
     )
     init_model_parallel(dims)
-    if not _EXIT_HOOK:
-        atexit.register(destroy_parallel)
-        _EXIT_HOOK.append(True)
+    _destroy_at_exit()
     return dims, Groups.current()
 
 
-_EXIT_HOOK: list[bool] = []
+@functools.cache
+def _destroy_at_exit() -> None:
+    """Register `destroy_parallel` at interpreter exit, once per process."""
+    atexit.register(destroy_parallel)
 
 
 def destroy_parallel() -> None:

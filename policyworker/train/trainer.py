@@ -3,7 +3,7 @@ step that is open on them (`train.step` is the step itself).
 
     trainer.train(batch, loss)                  # one step per global batch of `batch`
     trainer.begin(loss); trainer.add(chunk) ...; trainer.finish()   # one step, streamed
-    trainer.abort()                             # drop the open step
+    trainer.abort(zero=True)                    # drop the open step
 
 Inputs reach it validated against the batch contract (the worker's facade does that); it checks
 what is about steps — sizes, the open step, rows left — before any state changes.
@@ -135,18 +135,15 @@ class Trainer:
         self.plan.check(lengths, train=True, rows_per_example=spec.loss_fn.rows_per_example)
         self._add(spec.loss_fn.prepare_batch(data).to(self.device))
 
-    def check_finish(self) -> None:
-        """Refuse to finish a step that is not open or not whole (before anything moves)."""
+    def finish(self) -> dict[str, Any]:
+        """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics.
+        A step that is not open or not whole is refused before anything moves."""
         step = self.require_step("finish_train_step")
         if step.rows != step.spec.local_rows:
             raise ValueError(
                 f"finish_train_step: the step holds {step.rows} of this rank's "
                 f"{step.spec.local_rows} rows (gbs / dp); add the rest or abort_train_step()"
             )
-
-    def finish(self) -> dict[str, Any]:
-        """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics."""
-        self.check_finish()
         return self._summarize([self._finish()])
 
     def abort(self, *, zero: bool) -> None:
