@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from policyworker.compat.process import defer_megatron_compile
+
+defer_megatron_compile()  # before anything can import megatron-core (compat/process.py)
+
 _HOME = {
     "BatchValidationError": "policyworker.data.contract",
     "BatchedDataDict": "policyworker.data.batched_data_dict",

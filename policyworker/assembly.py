@@ -5,8 +5,10 @@ residency, checkpointer). Built once; a worker is shut down at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +16,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from policyworker.checkpoint.checkpointer import Checkpointer, Trainee
-from policyworker.compat import apply_cpu_patches
+from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.microbatch import MicrobatchPlan, build_plan
 from policyworker.memory.residency import Residency
@@ -69,6 +71,18 @@ class PolicyState:
     @property
     def forward_model(self) -> torch.nn.Module:
         return self.ddp if self.ddp is not None else self.model
+
+    @contextlib.contextmanager
+    def reference_swapped_in(self) -> Iterator[None]:
+        """The reference weights in the live parameters; the live ones back on exit."""
+        assert self.reference is not None
+        with self.reference.swapped_into(global_named_parameters(self.model)):
+            yield
+
+    def take_reference(self) -> None:
+        """Snapshot the live weights as the reference, unless HF weights gave one already."""
+        if self.reference is None:
+            self.reference = ReferenceWeights(global_named_parameters(self.model))
 
 
 def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights: bool) -> Parts:
@@ -179,6 +193,7 @@ def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer
         temperature=c.temperature,
         max_grad_norm=c.max_grad_norm,
         vocab_size=w.shape.vocab_size,
+        max_seq_len=c.max_total_sequence_length,
     )
     return Trainer(
         ddp=state.ddp,
@@ -200,6 +215,8 @@ def build_collector(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Colle
         device=w.device,
         temperature=w.cfg.temperature,
         vocab_size=w.shape.vocab_size,
+        max_seq_len=w.cfg.max_total_sequence_length,
+        default_mbs=w.cfg.logprob_batch_size,
     )
 
 
@@ -211,7 +228,7 @@ _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def shutdown_at_exit(worker: Any) -> None:
-    """Call `worker.shutdown()` at interpreter exit unless it ran before (a script that just
+    """Call `worker.shutdown()` (idempotent) at interpreter exit too (a script that just
     ends still commits its pending async save, and joins its writer threads while the
     interpreter can still run them). Registered after `setup_parallel`'s hook, so it runs
     before the process groups are destroyed."""

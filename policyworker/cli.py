@@ -15,7 +15,6 @@ import logging
 import os
 from pathlib import Path
 
-from policyworker.config import load_config
 from policyworker.logs import VERBOSE_ENV, quiet_third_party
 
 
@@ -29,7 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
     demo.add_argument("--model", default=None, help="HF checkpoint folder to train")
     demo.add_argument("--data", default=None, help="JSONL of prompt/answer pairs (with --model)")
-    demo.add_argument("--config", default=None, help="YAML file of DemoConfig fields")
+    demo.add_argument(
+        "--config", default=None, help="YAML of DemoConfig fields, or a NeMo-RL GRPO recipe"
+    )
+    demo.add_argument(
+        "--ignore-unsupported",
+        action="store_true",
+        help="run a NeMo-RL recipe without its keys that have no equivalent (they are listed)",
+    )
     demo.add_argument("--save-every", default=None, help="checkpoint every N steps")
     demo.add_argument("--resume", default=None, help="an OUT/checkpoints/step_N folder")
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
@@ -61,14 +67,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("megatron", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from policyworker.demo.config import DemoConfig, load_inputs
+    from policyworker.demo.config import load_inputs
+    from policyworker.demo.recipe import load_demo_config
 
     overrides = list(args.overrides)
     for key in ("out", "model", "data", "save_every", "resume"):
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
     try:
-        cfg = load_config(args.config, overrides, cls=DemoConfig)
+        cfg = load_demo_config(args.config, overrides, ignore_unsupported=args.ignore_unsupported)
         inputs = load_inputs(cfg)
     except ValueError as e:
         demo.exit(2, f"{demo.prog}: error: {e}\n")

@@ -1,7 +1,6 @@
-"""MegatronPolicyWorker, the public facade: it validates, then delegates to `train.Trainer`
-(steps), `train.Collector` (logprobs, top-k), `refit.RefitSource`, `memory.Residency` and
-`checkpoint.Checkpointer`, put together by `assembly`. A bad call raises `ValueError` (a
-`BatchValidationError` for batches) before any state changes.
+"""MegatronPolicyWorker, the public facade: it validates, then delegates to `train.Trainer`,
+`train.Collector`, `refit.RefitSource`, `memory.Residency` and `checkpoint.Checkpointer` (put
+together by `assembly`). A bad call raises `ValueError` before any state changes.
 
     worker = MegatronPolicyWorker(PolicyConfig(model_name="/ckpt"))
     lp = worker.get_logprobs(data=batch)["logprobs"]                  # [B, S]
@@ -11,32 +10,24 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from policyworker import assembly
-from policyworker.checkpoint.commit import CheckpointError
 from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.checkpoint.paths import check_save_paths, initial_weights
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import validate_batch
 from policyworker.losses.common import Loss
 from policyworker.memory.phases import MemoryPhase, enter_phase
 from policyworker.memory.residency import GROUPS, Where
-from policyworker.memory.telemetry import log_memory, memory_stats
-from policyworker.model.build import global_named_parameters
-from policyworker.model.reference import ReferenceWeights
-from policyworker.model.weights import export_hf_weights
+from policyworker.memory.telemetry import memory_stats
 from policyworker.refit.layout import RefitInfo, RefitReport
-from policyworker.train.trainer import Trainer
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from policyworker.train.trainer import Trainer
 
 
 class MegatronPolicyWorker:
@@ -52,6 +43,8 @@ class MegatronPolicyWorker:
         init_reference_model: bool = True,
         is_refit_destination: bool = False,
     ) -> None:
+        from policyworker import assembly  # megatron-core loads here: the driver imports this too
+
         self.cfg, self.tokenizer = config, tokenizer
         self.is_refit_destination = is_refit_destination  # receives reshard refits; never trains
         if is_refit_destination:
@@ -71,30 +64,21 @@ class MegatronPolicyWorker:
         self.refit, self.memory, self.checkpoints = assembly.build_services(parts, self.state)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint, optimizer_path)
-        if init_reference_model and self.state.reference is None:  # no HF weights: the checkpoint's
-            self.state.reference = ReferenceWeights(global_named_parameters(self.state.model))
-        self._shut = False
+        if init_reference_model:  # after the checkpoint's weights are in
+            self.state.take_reference()
         assembly.shutdown_at_exit(self)
 
     def shutdown(self) -> None:
-        """Commit a pending async save (a failed one is removed, with a warning) and remove the
-        refit endpoint's files. Collective; idempotent; run at interpreter exit too (after it,
-        `parallel.dims` destroys the process groups every worker of the process shares)."""
-        if self._shut:
-            return
-        self._shut = True
-        try:
-            self.checkpoints.finalize()
-        except Exception as e:
-            log.warning("shutdown: the pending async save was not committed: %s", e)
+        """Commit a pending async save (a failed one is removed, with a warning), remove the
+        refit endpoint's files. Collective; idempotent; also run at interpreter exit."""
+        self.checkpoints.close()
         self.refit.close()
 
     @staticmethod
     def configure_worker(
         num_gpus: int, bundle_indices: list[int] | None = None
     ) -> tuple[dict[str, Any], dict[str, str], dict[str, Any]]:
-        """A Ray actor hosting this worker: (resources, extra env, extra constructor arguments).
-        One rank per actor and bundle: `num_gpus` GPUs and one CPU, whichever the bundle."""
+        """A Ray actor's (resources, extra env, extra constructor arguments): one rank each."""
         del bundle_indices
         return {"num_gpus": num_gpus, "num_cpus": 1}, {}, {}
 
@@ -103,8 +87,9 @@ class MegatronPolicyWorker:
     def get_logprobs(
         self, *, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""
-        mbs = self._check_inference_call(data, micro_batch_size)
+        """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i; 0 at 0 and past the end."""
+        self.memory.require("get_logprobs", "params")
+        mbs = self.collector.check(data, micro_batch_size)
         return BatchedDataDict({"logprobs": self.collector.logprobs(data, mbs)})
 
     def get_reference_policy_logprobs(
@@ -121,16 +106,15 @@ class MegatronPolicyWorker:
         if self.state.reference is None:
             raise ValueError("init_reference_model=False: this worker holds no reference model")
         self.memory.require("use_reference_model", "params")
-        with self.state.reference.swapped_into(global_named_parameters(self.state.model)):
+        with self.state.reference_swapped_in():
             yield
 
     def get_topk_logits(
         self, *, data: BatchedDataDict, k: int, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
-        if not isinstance(k, int) or not 1 <= k <= self.shape.vocab_size:
-            raise ValueError(f"k: expected an int in [1, {self.shape.vocab_size}], got {k!r}")
-        mbs = self._check_inference_call(data, micro_batch_size)
+        self.memory.require("get_topk_logits", "params")
+        mbs = self.collector.check(data, micro_batch_size, k)
         vals, idx = self.collector.topk(data, mbs, k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
@@ -144,28 +128,25 @@ class MegatronPolicyWorker:
         gbs: int | None = None,
         mbs: int | None = None,
     ) -> dict[str, Any]:
-        """One optimizer step (and scheduler step) per global batch of `data`; the metrics.
-        `eval_mode=True`: the same loss, no weight, optimizer or scheduler state touched."""
+        """One optimizer and scheduler step per global batch of `data` (none if `eval_mode`)."""
         trainer = self._trainer("train")
         self.memory.require("train", *(("params",) if eval_mode else GROUPS))
-        self._validate(data, loss_fn.required_keys)
+        trainer.check_batch(data, loss_fn.required_keys)
         return trainer.train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
 
     def begin_train_step(
         self, loss_fn: Loss, gbs: int | None = None, mbs: int | None = None
     ) -> None:
-        """Open a step (the gradients are zero). `train_microbatch` then adds chunks of this rank's
-        share of the global batch (`gbs / dp` rows in all); `finish_train_step` applies it."""
+        """Open a step (zero gradients) for `train_microbatch`; `finish_train_step` applies it."""
         trainer = self._trainer("begin_train_step")
         self.memory.require("begin_train_step", *GROUPS)
         trainer.begin(loss_fn, gbs, mbs)
 
     def train_microbatch(self, data: BatchedDataDict) -> None:
-        """Forward/backward a chunk (a multiple of `mbs` rows); gradients accumulate locally, with
-        no DP reduce until `finish_train_step`. On an error inside, the step is aborted."""
+        """Forward/backward `mbs`-row multiples (no DP reduce yet); an error aborts the step."""
         trainer = self._trainer("train_microbatch", step_open=True)
         self.memory.require("train_microbatch", "params", "grads")
-        self._validate(data, trainer.open_loss.required_keys)
+        trainer.check_batch(data, trainer.open_loss.required_keys)
         trainer.add(data)
 
     def finish_train_step(self) -> dict[str, Any]:
@@ -189,8 +170,7 @@ class MegatronPolicyWorker:
     # --- memory phases (policyworker.memory.phases has the table) ------------------------------
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
-        """Params on the device; optimizer state to the host and idle gradients freed, unless
-        `keep_train_buffers` (an open step's gradients always stay)."""
+        """Params on the device; optimizer state out, idle gradients freed (unless `keep_...`)."""
         keep = MemoryPhase.LP_INFERENCE_KEEP_TRAIN_BUFFERS
         self._phase(keep if keep_train_buffers else MemoryPhase.LP_INFERENCE)
 
@@ -217,16 +197,12 @@ class MegatronPolicyWorker:
     def move_model(
         self, model: torch.nn.Module, device: str, move_params: bool = True, move_grads: bool = True
     ) -> torch.nn.Module:
-        """Move the params and/or gradients: "cpu" to the host, "cuda" to the worker's device
-        (the CPU itself on a machine without a GPU). Idle gradients are freed, not copied."""
+        """Params and/or gradients to "cpu" or "cuda" (this worker's device; idle grads freed)."""
         if model is not self.state.model and model is not self.state.ddp:
             raise ValueError("model: expected this worker's model")
-        where = Where.of_device(device)
-        targets = {"params": where} if move_params else {}
-        if move_grads:
-            idle = where is Where.HOST and not self._step_open
-            targets["grads"] = Where.FREED if idle else where
-        self.memory.place(targets)
+        self.memory.place_model(
+            Where.of_device(device), params=move_params, grads=move_grads, step_open=self._step_open
+        )
         return model
 
     def move_optimizer(self, device: str) -> None:
@@ -234,13 +210,11 @@ class MegatronPolicyWorker:
         self.memory.place({"optimizer": Where.of_device(device)})
 
     def memory_stats(self) -> dict[str, object]:
-        """Allocated, reserved, peak (since the last phase line) and device-used bytes, and
-        where the training state is: the numbers of the DEBUG line each phase logs."""
+        """The numbers of each phase's DEBUG line: device bytes and where the state is."""
         return memory_stats(self.memory)
 
     def _phase(self, phase: MemoryPhase) -> None:
         enter_phase(self.memory, phase, step_open=self._step_open)
-        log_memory(phase, self.memory)
 
     # --- refit (policyworker.refit; docs/refit.md) ---------------------------------------------
 
@@ -260,8 +234,7 @@ class MegatronPolicyWorker:
     def stream_weights_via_ipc_zmq(
         self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
     ) -> RefitReport | None:
-        """Refit the receiver at `get_zmq_address()`, applied there only when complete.
-        Collective over TP/PP; ranks with `send=False` only take part in the gathers."""
+        """Refit the receiver at `get_zmq_address()`; collective (TP/PP), `send=False` gathers."""
         self.memory.require("stream_weights_via_ipc_zmq", "params")
         return self.refit.stream_ipc(
             buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
@@ -270,8 +243,7 @@ class MegatronPolicyWorker:
     def init_collective(
         self, host: str, port: int, world_size: int, refit_timeout_s: float | None = None
     ) -> None:
-        """Form the collective refit group (trainer rank 0 is its rank 0 and hosts the store at
-        host:port; receivers join as 1..world_size-1). Blocks until all joined."""
+        """Form the collective refit group; trainer rank 0 is its rank 0 and hosts host:port."""
         self.refit.join_collective(host, port, world_size, refit_timeout_s)
 
     def broadcast_weights_for_collective(
@@ -294,16 +266,14 @@ class MegatronPolicyWorker:
         destinations: int,
         refit_timeout_s: float | None = None,
     ) -> None:
-        """Join the reshard group: every trainer rank (`sources`) and destination rank
-        (`is_refit_destination=True`) calls it alike; trainer rank 0 hosts the store."""
+        """Join the reshard group (every trainer and destination rank; trainer rank 0 hosts)."""
         self.refit.join_reshard(
             host, port, sources, destinations, destination=self.is_refit_destination,
             timeout_s=refit_timeout_s,
         )  # fmt: skip
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> RefitReport | int | None:
-        """Refit the destinations of `init_reshard` in their own TP layout, applied only when
-        complete; trainer rank 0 returns the report, a destination the version it applied."""
+        """Refit `init_reshard`'s destinations in their own TP layout (rank 0: the report)."""
         self.memory.require("nccl_reshard_refit", "params")
         return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
 
@@ -316,8 +286,7 @@ class MegatronPolicyWorker:
         tokenizer_path: str | Path | None = None,
         async_save: bool | None = None,
     ) -> None:
-        """A distributed checkpoint of the weights and, with `optimizer_path`, of the training
-        state. Collective. `async_save`: returns once staged; `finalize_async_save()` commits."""
+        """Save the weights (and the training state); collective. Async: `finalize_async_save`."""
         if tokenizer_path is not None and self.tokenizer is None:
             raise ValueError("tokenizer_path: this worker has no tokenizer (pass tokenizer=)")
         pending, has_optimizer = self.checkpoints.pending_targets, self.trainer is not None
@@ -325,14 +294,14 @@ class MegatronPolicyWorker:
         if paths[1] is not None or self._step_open:
             self._trainer("save_checkpoint")
         self.memory.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
+        step = self.trainer.steps_done if self.trainer else 0
         self.checkpoints.save(
             *paths,
-            counters={"step": self._steps_done(), "weight_version": self.refit.version},
+            counters={"step": step, "weight_version": self.refit.version},
             tokenizer=self.tokenizer,
             async_save=self.cfg.checkpoint.async_save if async_save is None else async_save,
+            tokenizer_path=None if tokenizer_path is None else Path(tokenizer_path),
         )
-        if tokenizer_path is not None and dist.get_rank() == 0:  # a tokenizer, checked above
-            self.tokenizer.save_pretrained(tokenizer_path)
 
     def finalize_async_save(self) -> bool:
         """Finish and commit the pending async save (collective); False if there was none."""
@@ -341,8 +310,7 @@ class MegatronPolicyWorker:
     def load_checkpoint(
         self, weights_path: str | Path, optimizer_path: str | Path | None = None
     ) -> None:
-        """Load a checkpoint, into any layout (with `optimizer_path`: the training state too).
-        Collective. Anything wrong raises `CheckpointError` with the worker unchanged."""
+        """Load a checkpoint into any layout; collective; `CheckpointError` changes nothing."""
         if optimizer_path is not None or self._step_open:
             self._trainer("load_checkpoint", damaged_ok=True)
         self.memory.require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
@@ -350,17 +318,12 @@ class MegatronPolicyWorker:
         manifest = self.checkpoints.load(Path(weights_path), opt)
         self.refit.version = int(manifest["weight_version"])
 
-    def _steps_done(self) -> int:
-        return 0 if self.trainer is None else self.trainer.steps_done
-
     # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""
         self.memory.require("export_hf_weights", "params")
-        return export_hf_weights(
-            global_named_parameters(self.state.model), self.shape, tp_group=self.groups.tp
-        )
+        return self.refit.hf_weights()
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
         """A Hugging Face folder of the live weights (collective; one writer per stage)."""
@@ -370,8 +333,6 @@ class MegatronPolicyWorker:
             writer=g.leads_replica, part=g.pp_rank,
         )  # fmt: skip
 
-    # --- helpers ---------------------------------------------------------------------------------
-
     @property
     def _step_open(self) -> bool:
         return self.trainer is not None and self.trainer.step_open
@@ -379,29 +340,9 @@ class MegatronPolicyWorker:
     def _trainer(
         self, call: str, *, step_open: bool | None = False, damaged_ok: bool = False
     ) -> Trainer:
-        """The trainer, after checking the call may use it: an optimizer exists, a step is open
-        (`step_open=True`) or not (False; None: either), the training state is not damaged."""
+        """The trainer, if `call` may use it (see `Trainer.checked`) and the state is intact."""
         if self.trainer is None:
             raise ValueError("init_optimizer=False: this worker cannot train")
-        if step_open:
-            self.trainer.require_step(call)
-        elif step_open is False:
-            self.trainer.require_no_step(call)
-        if self.checkpoints.damaged is not None and not damaged_ok:
-            raise CheckpointError(f"{call}: {self.checkpoints.damaged}; load a full checkpoint")
-        return self.trainer
-
-    def _check_inference_call(self, data: BatchedDataDict, micro_batch_size: int | None) -> int:
-        """Validate a logprob/top-k call's batch and micro-batch size; returns the latter."""
-        self.memory.require("inference", "params")
-        mbs = self.cfg.logprob_batch_size if micro_batch_size is None else micro_batch_size
-        if not isinstance(mbs, int) or mbs < 1:
-            raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
-        self._validate(data, ())
-        self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
-        return mbs
-
-    def _validate(self, data: BatchedDataDict, required: tuple[str, ...]) -> int:
-        """The batch against the contract (`BatchValidationError`); its size."""
-        max_len, vocab = self.cfg.max_total_sequence_length, self.shape.vocab_size
-        return validate_batch(data, required=required, max_seq_len=max_len, vocab_size=vocab)[0]
+        if not damaged_ok:
+            self.checkpoints.require_intact(call)
+        return self.trainer.checked(call, step_open=step_open)

@@ -65,7 +65,7 @@ def test_demo_resumes_with_the_same_rows(tmp_path, resume_at):
 
 def test_group_advantages():
     adv = group_advantages([1.0, 0.0, 1.0, 0.0, 1.0, 1.0], group_size=2)
-    assert adv[:4] == pytest.approx([1.0, -1.0, 1.0, -1.0], rel=1e-5)
+    assert adv[:4] == pytest.approx([0.5**0.5, -(0.5**0.5)] * 2, rel=1e-5)  # sample std
     assert adv[4:] == [0.0, 0.0]
 
 

@@ -50,7 +50,7 @@ from policyworker.checkpoint.writes import (
     join_writes,
     start_writes,
 )
-from policyworker.compat import in_process_write_results
+from policyworker.compat.checkpoint import in_process_write_results
 from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.memory.host import HostArena
 from policyworker.model.hf_config import ModelShape
@@ -99,6 +99,11 @@ class Checkpointer:
         were built, the host copies issued (a first save allocates their memory), the write
         planned, the copies done."""
 
+    def require_intact(self, call: str) -> None:
+        """Raise `CheckpointError` while a part-way load has left the training state unusable."""
+        if self.damaged is not None:
+            raise CheckpointError(f"{call}: {self.damaged}; load a full checkpoint")
+
     # --- save ------------------------------------------------------------------------------------
 
     def save(
@@ -109,8 +114,10 @@ class Checkpointer:
         counters: dict[str, int],
         tokenizer: Any | None,
         async_save: bool,
+        tokenizer_path: Path | None = None,
     ) -> None:
-        """Stage to the host and plan the write; write inline (sync) or in the background."""
+        """Stage to the host and plan the write; write inline (sync) or in the background.
+        `tokenizer_path`: the tokenizer saved there too, at once (rank 0)."""
         self.finalize()  # a second save waits for the first
         start = time.perf_counter()
         t = self.t
@@ -155,6 +162,8 @@ class Checkpointer:
         start_writes(pending)
         if not async_save:
             self.finalize()
+        if tokenizer_path is not None and rank() == 0:
+            tokenizer.save_pretrained(tokenizer_path)
         self.last_save_timing["blocking_s"] = time.perf_counter() - start
 
     def _plan(
@@ -207,6 +216,13 @@ class Checkpointer:
         except BaseException as e:
             raise failure(pending, e) from e
         return True
+
+    def close(self) -> None:
+        """`finalize`, with a failure logged (the failed save removed) instead of raised."""
+        try:
+            self.finalize()
+        except Exception as e:
+            log.warning("shutdown: the pending async save was not committed: %s", e)
 
     def _commit(self, pending: PendingSave) -> None:
         join_writes(pending)

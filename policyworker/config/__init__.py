@@ -385,6 +385,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def read_data(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A YAML file (with NeMo-RL's `defaults:` inheritance) as a dict, the overrides applied."""
+    from policyworker.config import nemo_rl
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ValueError(f"config file {path}: no such file")
+        try:
+            data = nemo_rl.read_recipe(Path(path))
+        except yaml.YAMLError as e:
+            raise ValueError(f"config file {path}: not valid YAML ({e})") from None
+    return apply_overrides(data, overrides or [])
+
+
 def load_config[T](
     path: str | Path | None,
     overrides: list[str] | None = None,
@@ -400,15 +415,7 @@ def load_config[T](
     lists them). Overrides use the file's own key names."""
     from policyworker.config import nemo_rl
 
-    data: dict[str, Any] = {}
-    if path is not None:
-        if not Path(path).is_file():
-            raise ValueError(f"config file {path}: no such file")
-        try:
-            data = nemo_rl.read_recipe(Path(path))
-        except yaml.YAMLError as e:
-            raise ValueError(f"config file {path}: not valid YAML ({e})") from None
-    apply_overrides(data, overrides or [])
+    data = read_data(path, overrides)
     if cls is PolicyConfig and nemo_rl.is_nemo_rl(data):
         data = nemo_rl.policy_dict(data, ignore_unsupported=ignore_unsupported)
     return from_dict(cls, data)

@@ -140,7 +140,7 @@ def _accepted(key: str, value: Any, policy: dict[str, Any]) -> bool:
         return True
     if any(key.startswith(prefix) and inert(policy) for prefix, inert in _INERT.items()):
         return True
-    return key.split(".")[0] in _DTENSOR_ONLY or _in_disabled_section(policy, key)
+    return key.split(".")[0] in _DTENSOR_ONLY or in_disabled_section(policy, key)
 
 
 def is_nemo_rl(data: dict[str, Any]) -> bool:
@@ -160,12 +160,20 @@ def read_recipe(path: Path) -> dict[str, Any]:
         base = Path(parent) if str(parent).startswith("/") else path.parent / parent
         if not base.is_file():
             raise ValueError(f"config file {path}: defaults {parent}: no such file ({base})")
-        merged = _merge(merged, read_recipe(base))
-    return _merge(merged, data)
+        merged = merge(merged, read_recipe(base))
+    return merge(merged, data)
 
 
 def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, Any]:
     """Our `PolicyConfig` fields (as a nested dict) from a NeMo-RL recipe or policy section."""
+    ours, unsupported = policy_fields(data)
+    report_unsupported(unsupported, ignore_unsupported=ignore_unsupported)
+    return ours
+
+
+def policy_fields(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Our `PolicyConfig` fields (a nested dict) from a NeMo-RL recipe or policy section, and
+    its keys that have no equivalent here (`policy.key=value`)."""
     root = data if isinstance(data.get("policy"), dict) else {"policy": data}
     policy = _resolve(root["policy"], ["policy"], root)  # only what we read is resolved
     if policy.get("megatron_cfg", {}).get("enabled") is not True:
@@ -175,31 +183,44 @@ def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, 
         )
     ours: dict[str, Any] = {}
     unsupported: list[str] = []
-    for key, value in _leaves(policy):
+    for key, value in leaves(policy):
         if key in MAPPED:
             if value is None:  # null: our default, unless it means something (`_NULL_MEANS`)
                 value = _NULL_MEANS.get(MAPPED[key])
             if value is not None:
-                _put(ours, MAPPED[key], value)
+                put(ours, MAPPED[key], value)
         elif not _accepted(key, value, policy):
             unsupported.append(f"policy.{key}={value!r}")
-    if unsupported:
-        listing = ", ".join(unsupported)
-        if not ignore_unsupported:
-            raise ValueError(
-                f"NeMo-RL config: {len(unsupported)} keys have no equivalent here (pass "
-                f"ignore_unsupported=True to load without them): {listing}"
-            )
-        log.warning("NeMo-RL config: ignoring %d unsupported keys: %s", len(unsupported), listing)
     if isinstance(ours.get("optimizer", {}).get("betas"), dict):  # adam_beta1 / adam_beta2
         given, default = ours["optimizer"]["betas"], OptimizerConfig().betas
         ours["optimizer"]["betas"] = [given.get(str(i), default[i]) for i in range(2)]
-    return ours
+    return ours, unsupported
 
 
-def _in_disabled_section(policy: dict[str, Any], key: str) -> bool:
+def report_unsupported(
+    unsupported: list[str], *, ignore_unsupported: bool, switch: str = "ignore_unsupported=True"
+) -> None:
+    """All the keys without an equivalent in one `ValueError` (naming the `switch` that ignores
+    them), or (`ignore_unsupported`) in one warning."""
+    if not unsupported:
+        return
+    listing = ", ".join(unsupported)
+    if not ignore_unsupported:
+        raise ValueError(
+            f"NeMo-RL config: {len(unsupported)} keys have no equivalent here (pass {switch} "
+            f"to load without them): {listing}"
+        )
+    log.warning("NeMo-RL config: ignoring %d unsupported keys: %s", len(unsupported), listing)
+
+
+def resolved(data: dict[str, Any], section: str) -> Any:
+    """One top-level section of a recipe with its interpolations resolved."""
+    return _resolve(data.get(section), [section], data)
+
+
+def in_disabled_section(tree: dict[str, Any], key: str) -> bool:
     """Whether `key` lies in a section switched off by `enabled: false` (its settings unused)."""
-    node: Any = policy
+    node: Any = tree
     for part in key.split(".")[:-1]:
         node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(_SECTION_SWITCH) is False:
@@ -207,29 +228,30 @@ def _in_disabled_section(policy: dict[str, Any], key: str) -> bool:
     return False
 
 
-def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+def leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of a nested mapping."""
     if isinstance(node, dict) and node:
         out = []
         for k, v in node.items():
-            out += _leaves(v, f"{prefix}{k}.")
+            out += leaves(v, f"{prefix}{k}.")
         return out
     return [(prefix[:-1], node)]
 
 
-def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def put(tree: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for p in parents:
         tree = tree.setdefault(p, {})
     tree[leaf] = value
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
         if isinstance(v, dict) and v.pop("_override_", False):
             out[k] = v
         elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+            out[k] = merge(out[k], v)
         else:
             out[k] = v
     return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from policyworker.config import OptimizerConfig, PolicyConfig, SequencePackingConfig, finite
+from policyworker.config import PolicyConfig, SequencePackingConfig, finite, from_dict, to_dict
 from policyworker.demo.resume import ResumePoint, resume_point
 from policyworker.demo.task import (
     Example,
@@ -23,6 +23,18 @@ from policyworker.generation.engine import encode_prompt
 from policyworker.losses.clipped_pg import ClippedPGConfig
 from policyworker.model.hf_config import load_hf_config, model_shape
 from policyworker.model.weights import check_hf_folder
+
+DEMO_SETS: dict[str, str] = {  # PolicyConfig fields the demo derives from its own options
+    "model_name": "--model",
+    "precision": "precision",
+    "train_global_batch_size": "prompts_per_step * group_size",
+    "train_micro_batch_size": "micro_batch_size",
+    "logprob_batch_size": "micro_batch_size",
+    "max_total_sequence_length": "max_sequence_length",
+    "sequence_packing": "sequence_packing",
+    "temperature": "temperature",
+    "seed": "seed",
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +65,11 @@ class DemoConfig:
     """Samples per prompt."""
     grpo_lr: float = 5e-4
     """GRPO learning rate."""
+    normalize_rewards: bool = True
+    """Divide each advantage by its prompt's reward standard deviation (+1e-6; a prompt whose
+    samples all scored alike keeps r - baseline), as NeMo-RL's GRPO does."""
+    leave_one_out_baseline: bool = False
+    """Baseline (and std) of a sample from the other samples of its prompt only (RLOO)."""
     temperature: float = 1.0
     """Sampling temperature (the worker divides logits by it too)."""
     max_new_tokens: int = 4
@@ -74,6 +91,10 @@ class DemoConfig:
         default_factory=lambda: ClippedPGConfig(reference_policy_kl_penalty=0.0)
     )
     """ClippedPGLoss options."""
+    worker: dict[str, Any] = field(default_factory=dict)
+    """Further `PolicyConfig` fields for the workers, e.g. `worker.max_grad_norm=0.5` or
+    `worker.parallel.tensor_model_parallel_size=2` (a NeMo-RL recipe's policy section lands
+    here); the fields the demo sets itself (`DEMO_SETS`) are refused."""
     workers: int = 1
     """Worker processes (data parallel), started and driven by `policyworker.Policy`."""
     backend: Literal["local", "ray"] = "local"
@@ -114,6 +135,12 @@ class DemoConfig:
         )
         check(0 <= self.seed < 2**32, "seed", "an int in [0, 2**32)")
         self.sequence_packing.validate("sequence_packing")  # ClippedPGConfig checks itself
+        check(isinstance(self.worker, dict), "worker", "a mapping of PolicyConfig fields")
+        for key in self.worker:
+            if key in DEMO_SETS:
+                raise ValueError(f"worker.{key}: set by the demo; use {DEMO_SETS[key]} instead")
+        if isinstance(self.worker.get("optimizer"), dict) and "lr" in self.worker["optimizer"]:
+            raise ValueError("worker.optimizer.lr: set by the demo; use sft_lr and grpo_lr")
         check(
             self.max_sequence_length > self.max_new_tokens,
             "max_sequence_length",
@@ -160,19 +187,23 @@ class DemoInputs:
 
 
 def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
-    """The workers' config (its checks run here, before any work)."""
-    return PolicyConfig(
-        model_name=str(model_dir),
-        precision=cfg.precision,
-        train_global_batch_size=cfg.prompts_per_step * cfg.group_size,
-        train_micro_batch_size=cfg.step_mbs(cfg.prompts_per_step * cfg.group_size),
-        logprob_batch_size=cfg.step_mbs(cfg.prompts_per_step * cfg.group_size),
-        max_total_sequence_length=cfg.max_sequence_length,
-        sequence_packing=cfg.sequence_packing,
-        temperature=cfg.temperature,
-        optimizer=OptimizerConfig(lr=cfg.sft_lr, weight_decay=0.0, betas=(0.9, 0.99)),
-        seed=cfg.seed,
-    )
+    """The workers' config: the demo's settings, `cfg.worker` over them (checked here, before
+    any work)."""
+    rollouts = cfg.prompts_per_step * cfg.group_size
+    ours: dict[str, Any] = {
+        "model_name": str(model_dir),
+        "precision": cfg.precision,
+        "train_global_batch_size": rollouts,
+        "train_micro_batch_size": cfg.step_mbs(rollouts),
+        "logprob_batch_size": cfg.step_mbs(rollouts),
+        "max_total_sequence_length": cfg.max_sequence_length,
+        "sequence_packing": to_dict(cfg.sequence_packing),
+        "temperature": cfg.temperature,
+        "seed": cfg.seed,
+    }
+    optimizer = {"weight_decay": 0.0, "betas": [0.9, 0.99], **cfg.worker.get("optimizer", {})}
+    ours["optimizer"] = {**optimizer, "lr": cfg.sft_lr}
+    return from_dict(PolicyConfig, {**cfg.worker, **ours}, prefix="worker.")
 
 
 def load_inputs(cfg: DemoConfig) -> DemoInputs:

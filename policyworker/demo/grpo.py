@@ -70,22 +70,27 @@ def sequences_batch(
     )
 
 
-def group_advantages(rewards: list[float], group_size: int) -> list[float]:
-    """(r - mean) / (std + 1e-6) within each group of samples of one prompt."""
+def group_advantages(
+    rewards: list[float], group_size: int, *, leave_one_out: bool = False, normalize: bool = True
+) -> list[float]:
+    """NeMo-RL's GRPO advantages within each group of samples of one prompt: r - baseline, the
+    baseline the group's mean (`leave_one_out`: the mean of the other samples); `normalize`
+    divides by the sample std (of the others, with `leave_one_out`) + 1e-6 where it is > 0."""
     out = []
     for start in range(0, len(rewards), group_size):
         group = rewards[start : start + group_size]
-        mean, std = statistics.fmean(group), statistics.pstdev(group)
-        out += [(r - mean) / (std + 1e-6) for r in group]
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1 :] if leave_one_out else group
+            baseline = statistics.fmean(others)
+            std = statistics.stdev(others) if len(others) > 1 else 0.0
+            out.append((r - baseline) / (std + 1e-6) if normalize and std > 0 else r - baseline)
     return out
 
 
-def grpo_batch(
-    samples: Samples, rewards: list[float], group_size: int, pad_id: int
-) -> BatchedDataDict:
+def grpo_batch(samples: Samples, advantages: list[float], pad_id: int) -> BatchedDataDict:
     """The GRPO batch contract from samples: advantages and generation logprobs on the response."""
     batch = sequences_batch(samples.prompt_ids, samples.response_ids, pad_id)
-    adv = torch.tensor(group_advantages(rewards, group_size))
+    adv = torch.tensor(advantages)
     batch["advantages"] = adv[:, None] * batch["token_mask"]
     gen = torch.zeros_like(batch["token_mask"])
     for i, (p, lp) in enumerate(zip(samples.prompt_ids, samples.response_logprobs, strict=True)):
@@ -210,7 +215,13 @@ class Run:
         )
         answers = [e.answer for e in examples for _ in range(cfg.group_size)]
         rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
-        batch = grpo_batch(samples, rewards, cfg.group_size, self.tokenizer.pad_token_id)
+        advantages = group_advantages(
+            rewards,
+            cfg.group_size,
+            leave_one_out=cfg.leave_one_out_baseline,
+            normalize=cfg.normalize_rewards,
+        )
+        batch = grpo_batch(samples, advantages, self.tokenizer.pad_token_id)
         self.policy.prepare_for_lp_inference()
         batch["prev_logprobs"] = self.policy.get_logprobs(data=batch)["logprobs"]
         if "reference_policy_logprobs" in loss_fn.required_keys:  # only with a KL penalty

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from policyworker.driver.wire import unpack
+
 log = logging.getLogger(__name__)
 
 
@@ -102,7 +104,7 @@ class Answers:
             )
             return
         if status == "ok":
-            self.values[rank] = value
+            self.values[rank] = unpack(value)
             self.seconds[rank] = seconds
         else:
             self.errors[rank], blob = value

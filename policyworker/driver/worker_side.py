@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from policyworker.compat.process import exit_now
+from policyworker.driver.wire import pack
 from policyworker.logs import quiet_third_party
 
 Answer = tuple[int, str, Any, float]
-"""(call id, "ok" | "error", value or `Failure`, seconds the call ran here)."""
+"""(call id, "ok" | "error", the value `wire.pack`ed or a `Failure`, seconds the call ran here)."""
 
 Failure = tuple[str, bytes | None]
 """A call's failure: the remote traceback, and the exception pickled (None if it does not
@@ -64,7 +66,7 @@ class WorkerHost:
             self.worker = MegatronPolicyWorker(**kwargs)
         except BaseException as e:
             return call_id, "error", failure(e), 0.0
-        return call_id, "ok", os.getpid(), 0.0
+        return call_id, "ok", pack(os.getpid()), 0.0
 
     def execute(self, call_id: int, call: str, kwargs: dict[str, Any]) -> Answer:
         """Run the worker's method `call` (a name from the driver's table of calls)."""
@@ -72,7 +74,7 @@ class WorkerHost:
             return call_id, "error", failure(text="the worker was not started"), 0.0
         start = time.perf_counter()
         try:
-            value = to_host(getattr(self.worker, call)(**kwargs))
+            value = pack(getattr(self.worker, call)(**kwargs))
         except BaseException as e:
             return call_id, "error", failure(e), 0.0
         return call_id, "ok", value, time.perf_counter() - start
@@ -84,17 +86,6 @@ class WorkerHost:
         if self.worker is not None:
             self.worker.shutdown()
         destroy_parallel()
-
-
-def to_host(value: Any) -> Any:
-    """`value` with every tensor on the CPU: answers cross process (and node) boundaries."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return type(value)({k: to_host(v) for k, v in value.items()})
-    if isinstance(value, list | tuple):
-        return type(value)(to_host(v) for v in value)
-    return value
 
 
 def serve(conn: Connection, env: dict[str, str], log_levels: dict[str, int]) -> None:
@@ -112,7 +103,7 @@ def serve(conn: Connection, env: dict[str, str], log_levels: dict[str, int]) -> 
             return
         if kind == "close":
             host.close()
-            return
+            exit_now()  # done and committed: skip the interpreter's second of teardown
         try:
             payload = pickle.loads(payload_bytes)
         except BaseException:

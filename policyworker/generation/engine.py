@@ -8,10 +8,12 @@ responses with their generation logprobs, `logprobs` scores sequences with the w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
@@ -23,7 +25,8 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class Samples:
-    """One row per (prompt, sample)."""
+    """One row per (prompt, sample). The driver unpickles these: this module imports
+    transformers only where an engine is built."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]  # up to and including EOS when produced
@@ -44,6 +47,8 @@ class HFEngine:
         load_weights: bool = True,
     ) -> None:
         """`load_weights=False`: random weights of the folder's config (a refit brings them)."""
+        from transformers import AutoConfig, AutoModelForCausalLM  # not at the top: see Samples
+
         if load_weights:
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         else:

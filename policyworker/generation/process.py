@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from policyworker.compat.process import exit_now
 from policyworker.generation.engine import Samples
 from policyworker.refit.buffers import remove_leftovers
 from policyworker.refit.layout import RefitError, RefitInfo
@@ -238,7 +239,7 @@ def _serve(
     while True:
         command, name, payload = conn.recv()
         if name == "close":
-            return
+            exit_now()  # nothing left to do: skip the interpreter's second of teardown
         if name == "init_collective":  # no answer: the trainer joins after us
             host, port, world_size, rank, timeout_s = payload
             try:

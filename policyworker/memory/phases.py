@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from policyworker.memory.residency import Residency, Where
+from policyworker.memory.telemetry import log_memory
 
 D, H, F = Where.DEVICE, Where.HOST, Where.FREED
 
@@ -68,8 +69,9 @@ PHASES = {
 
 def enter_phase(residency: Residency, phase: MemoryPhase, *, step_open: bool) -> None:
     """Move the state to the phase's placement; when it frees anything, return the allocator's
-    cached blocks to the driver so that a colocated engine can use them."""
+    cached blocks to the driver so that a colocated engine can use them. Logs (DEBUG) after."""
     targets = PHASES[phase].targets(step_open)
     residency.place(targets)
     if residency.device.type == "cuda" and any(w is not D for w in targets.values()):
         torch.cuda.empty_cache()
+    log_memory(phase, residency)

@@ -112,6 +112,14 @@ class Residency:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
+    def place_model(self, where: Where, *, params: bool, grads: bool, step_open: bool) -> None:
+        """Params and/or gradients to `where`; idle gradients (no open step) leaving the device
+        are freed, not copied."""
+        targets = {"params": where} if params else {}
+        if grads:
+            targets["grads"] = Where.FREED if where is Where.HOST and not step_open else where
+        self.place(targets)
+
     def _refresh(self) -> None:
         """Re-collect the storages of the groups on the device (optimizer state appears after the
         first step); a storage belongs to the first group that holds it (fp32 masters that view

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from policyworker.config import RefitConfig, finite
 from policyworker.model.hf_config import ModelShape
+from policyworker.model.weights import export_hf_weights
 from policyworker.parallel.dims import Groups
 from policyworker.refit.buffers import sweep_dead
 from policyworker.refit.collective import broadcast_refit
@@ -47,13 +48,8 @@ class RefitSource:
         device: torch.device,
         cfg: RefitConfig,
     ) -> None:
-        self._params, self.shape, self.groups, self.device, self.cfg = (
-            params,
-            shape,
-            groups,
-            device,
-            cfg,
-        )
+        self._params, self.shape, self.groups = params, shape, groups
+        self.device, self.cfg = device, cfg
         self.version = 0
         """Version of the weights last refitted (0: none yet); each refit sends version + 1."""
         self._info: RefitInfo | None = None
@@ -72,6 +68,10 @@ class RefitSource:
         """Drop the receiver's mappings and this rank's endpoint file (idempotent)."""
         self.link.reset()
         remove_socket_file(self.address)
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""
+        return export_hf_weights(self._params(), self.shape, tp_group=self.groups.tp)
 
     def info(self) -> RefitInfo:
         """Refit info of the whole model (collective over the pipeline group the first time)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
 from policyworker.ops.logprobs import topk_logits
@@ -29,6 +30,20 @@ class Collector:
     device: torch.device
     temperature: float
     vocab_size: int
+    max_seq_len: int
+    default_mbs: int
+
+    def check(self, data: BatchedDataDict, micro_batch_size: int | None, k: int = 1) -> int:
+        """Validate a collection's batch (`BatchValidationError`), micro-batch size and top-k;
+        returns the micro-batch size."""
+        if not isinstance(k, int) or not 1 <= k <= self.vocab_size:
+            raise ValueError(f"k: expected an int in [1, {self.vocab_size}], got {k!r}")
+        mbs = self.default_mbs if micro_batch_size is None else micro_batch_size
+        if not isinstance(mbs, int) or mbs < 1:
+            raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
+        validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
+        return mbs
 
     def logprobs(self, data: BatchedDataDict, mbs: int) -> torch.Tensor:
         """[B, S] fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""

@@ -18,6 +18,7 @@ import torch
 
 from policyworker.config import finite
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
 from policyworker.parallel.dims import Groups
@@ -47,6 +48,7 @@ class TrainSettings:
     temperature: float
     max_grad_norm: float
     vocab_size: int
+    max_seq_len: int
 
 
 class Trainer:
@@ -161,6 +163,20 @@ class Trainer:
         self.scheduler.max_lr = lr
         for group in self.optimizer.param_groups:
             group["max_lr"] = group["lr"] = lr
+
+    def check_batch(self, data: BatchedDataDict, required: tuple[str, ...]) -> None:
+        """The batch against the contract and the loss's keys (`BatchValidationError`)."""
+        s = self.settings
+        validate_batch(data, required=required, max_seq_len=s.max_seq_len, vocab_size=s.vocab_size)
+
+    def checked(self, call: str, *, step_open: bool | None) -> Trainer:
+        """This trainer, if `call` may use it: a step is open (`step_open=True`) or not (False;
+        None: either)."""
+        if step_open:
+            self.require_step(call)
+        elif step_open is False:
+            self.require_no_step(call)
+        return self
 
     def require_no_step(self, call: str) -> None:
         if self._step is not None:
