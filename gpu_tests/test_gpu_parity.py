@@ -61,11 +61,15 @@ def _worker(folder, precision):
     return MegatronPolicyWorker(cfg)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"]
+)
 def test_parity_on_gpu(tmp_path, arch):
     kw = dict(MEDIUM)
-    if arch == "qwen3":
+    if arch.startswith("qwen3"):
         kw["head_dim"] = 64
+    if arch.endswith("_moe"):
+        kw["moe_intermediate_size"] = 176  # 8 experts, top-2 (tests/helpers.py)
     folder = make_hf_model(tmp_path, arch, **kw)
     data = make_batch(batch=6, seq=200, vocab=1024, lengths=[200, 17, 133, 64, 1, 190])
     valid = torch.arange(200)[None] < data["input_lengths"][:, None]
@@ -83,6 +87,11 @@ def test_parity_on_gpu(tmp_path, arch):
     RESULTS[arch] = r
     _dump()
     assert r["fp32_vs_hf_fp32_max"] <= 1e-4
+    if arch in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        # bf16 rounding can flip a near-tied top-k choice, on either side: a few tokens then
+        # differ by more; the mean is what is reported and bounded
+        assert r["bf16_vs_hf_bf16_mean"] <= 0.01
+        return
     # bf16: ours must be as close to the fp32 truth as transformers' own bf16 is (x1.5 slack)
     assert r["bf16_vs_hf_fp32_max"] <= 1.5 * r["hf_bf16_vs_hf_fp32_max"] + 1e-3
 

@@ -125,6 +125,7 @@ def build_state(
         max_seq_len=config.max_total_sequence_length,
         pre_process=w.groups.is_first_stage,
         post_process=w.groups.is_last_stage,
+        moe=config.moe,
     )
     if hf_weights is not None:
         load_hf_weights(

@@ -8,6 +8,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from helpers import make_hf_model
 
+# megatron-core's import probes the machine in a subprocess: at collection, not inside a test
+import policyworker.assembly  # noqa: F401
 from policyworker.config import PolicyConfig
 from policyworker.worker import MegatronPolicyWorker
 

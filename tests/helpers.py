@@ -15,7 +15,22 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    # mixture of experts: 8 experts, top-2
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
+MOE = {
+    "qwen3_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=32,
+        norm_topk_prob=True, mlp_only_layers=[0],
+    ),
+    "qwen2_moe": dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False,
+    ),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+}  # fmt: skip
 
 
 def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrides: object) -> Path:
@@ -32,6 +47,7 @@ def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrid
     )
     if arch == "qwen3":
         kw["head_dim"] = 32
+    kw.update(MOE.get(arch, {}))
     if arch == "mistral":
         kw["sliding_window"] = None
     kw.update(overrides)

@@ -135,3 +135,19 @@ def test_the_demo_runs_a_nemo_rl_recipe(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["sft", "sft", "grpo", "grpo"]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows if r["phase"] == "grpo")
+
+
+def test_a_policy_section_alone_is_read_too(tmp_path):
+    import yaml
+
+    from policyworker.config.nemo_rl import read_recipe
+
+    section = tmp_path / "policy.yaml"
+    section.write_text(yaml.safe_dump(read_recipe(RECIPE)["policy"]))
+    overrides = ["prompts_per_step=32", "group_size=16", "policy.max_total_sequence_length=64"]
+    overrides.append("policy.generation.max_new_tokens=8")
+    cfg = load_demo_config(section, overrides, ignore_unsupported=True)
+    assert cfg.max_sequence_length == 64 and cfg.grpo_lr == 5e-6
+    assert cfg.worker["scheduler"]["warmup_steps"] == 13
+    with pytest.raises(ValueError, match="train_global_batch_size=512"):  # the demo's 16 x 8
+        load_demo_config(section, ["policy.generation.max_new_tokens=8"])

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import megatron.core  # noqa: F401  (at collection: its import probes the machine in a subprocess)
 import pytest
 import torch
 from helpers import clean_env, make_batch
@@ -37,7 +36,7 @@ def test_a_driver_loads_neither_megatron_nor_transformers():
 
 
 @pytest.mark.processes
-def test_megatron_imports_without_compiling_and_compiles_on_first_use():
+def test_megatron_imports_without_compiling_and_compiles_on_first_use_with_cuda():
     out = _run(
         "import sys, torch, policyworker, policyworker.worker, policyworker.assembly\n"
         "import megatron.core.jit as jit\n"
@@ -46,7 +45,8 @@ def test_megatron_imports_without_compiling_and_compiles_on_first_use():
         "print('torch._dynamo' in sys.modules, f(torch.ones(2)).tolist())\n"
         "print('torch._dynamo' in sys.modules)"
     )
-    assert out.splitlines() == ["False torch", "False [2.0, 2.0]", "True"]
+    compiled = str(torch.cuda.is_available())  # on a CPU-only machine it runs eagerly
+    assert out.splitlines() == ["False torch", "False [2.0, 2.0]", compiled]
 
 
 def test_a_deferred_function_compiles_once_with_its_options():
@@ -106,7 +106,7 @@ def test_results_cross_bit_exact(tensor):
 
 
 def test_a_packed_result_names_no_megatron_module():
-    assert "megatron.core" in sys.modules  # imported above: it swaps torch's storage rebuild
+    assert "megatron.core" in sys.modules  # imported by conftest: it swaps torch's storage rebuild
     batch = make_batch(batch=2, seq=4)
     blob = pack(batch)
     assert b"megatron" not in blob

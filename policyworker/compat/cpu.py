@@ -56,6 +56,13 @@ _PROXIED_MODULES = (
     "megatron.core.utils",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    # mixture of experts: the alltoall dispatcher's D2H stream, the router's and experts' devices
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
 )
 
 _active = False

@@ -7,8 +7,10 @@ about 1.6 s of every process's start, also on a CPU where no fused kernel ever r
 
 `defer_megatron_compile()` (called when `policyworker` is imported, before megatron-core can be)
 makes `torch.compile` lazy while the `megatron.core` package is being imported: each function it
-wraps then is compiled by the real `torch.compile`, with the same options, on its first call.
-Only megatron-core 0.19 is patched; an earlier import of megatron-core leaves it all alone.
+wraps then is compiled by the real `torch.compile`, with the same options, on its first call —
+on a machine with CUDA; without one it runs eagerly, as our own fused kernels do
+(`ops/compiled.py`): no C++ toolchain, no compile time, the eager numbers (MoE routing reaches
+such functions on CPU). Only megatron-core 0.19 is patched; an earlier import of megatron-core leaves it all alone.
 
 End — the interpreter's teardown of those libraries' modules takes over a second after all work
 is done. `exit_now()` ends a worker process whose work is finished and committed: it runs what a
@@ -47,17 +49,22 @@ def defer_megatron_compile() -> None:
 
 
 def deferred(
-    compile_fn: Callable[..., Any], fn: Callable[..., Any], options: dict[str, Any]
+    compile_fn: Callable[..., Any],
+    fn: Callable[..., Any],
+    options: dict[str, Any],
+    *,
+    compile_here: Callable[[], bool] = lambda: True,
 ) -> Any:
-    """`fn`, compiled by `compile_fn(fn, **options)` on its first call (a plain function, so
-    that it binds as a method like the function `torch.compile` returns)."""
+    """`fn`, compiled by `compile_fn(fn, **options)` on its first call if `compile_here()`, else
+    run as it is (a plain function, so that it binds as a method like the function
+    `torch.compile` returns)."""
     compiled: Callable[..., Any] | None = None
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled
         if compiled is None:
-            compiled = compile_fn(fn, **options)
+            compiled = compile_fn(fn, **options) if compile_here() else fn
         return compiled(*args, **kwargs)
 
     return run
@@ -65,11 +72,12 @@ def deferred(
 
 def _lazy(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
     """A stand-in for `torch.compile(model=None, **options)`, decorator form included."""
+    import torch
 
     def lazy_compile(model: Any = None, **options: Any) -> Any:
         if model is None:
-            return lambda fn: deferred(compile_fn, fn, options)
-        return deferred(compile_fn, model, options)
+            return lambda fn: lazy_compile(fn, **options)
+        return deferred(compile_fn, model, options, compile_here=torch.cuda.is_available)
 
     return lazy_compile
 

@@ -39,6 +39,8 @@ MAPPED: dict[str, str] = {
     "megatron_cfg.context_parallel_size": "parallel.context_parallel_size",
     "megatron_cfg.expert_model_parallel_size": "parallel.expert_model_parallel_size",
     "megatron_cfg.sequence_parallel": "parallel.sequence_parallel",
+    "megatron_cfg.freeze_moe_router": "moe.freeze_moe_router",
+    "megatron_cfg.moe_router_dtype": "moe.moe_router_dtype",
     "megatron_cfg.optimizer.lr": "optimizer.lr",
     "megatron_cfg.optimizer.min_lr": "optimizer.min_lr",
     "megatron_cfg.optimizer.weight_decay": "optimizer.weight_decay",
@@ -94,6 +96,16 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     # the logprobs of get_logprobs are of the unfiltered distribution
     "generation.top_p": lambda v, p: v == 1.0,
     "generation.top_k": lambda v, p: v is None,
+    # mixture of experts: what we run (no load-balancing loss, no expert bias, no DeepEP)
+    "megatron_cfg.moe_router_load_balancing_type": lambda v, p: v == "none",
+    "megatron_cfg.moe_router_bias_update_rate": lambda v, p: v == 0,
+    "megatron_cfg.moe_router_enable_expert_bias": lambda v, p: v is False,
+    "megatron_cfg.moe_enable_deepep": lambda v, p: v is False,
+    "megatron_cfg.moe_token_dispatcher_type": lambda v, p: v in ("alltoall", "allgather"),
+    # how megatron schedules or logs, not what it computes
+    "megatron_cfg.moe_permute_fusion": lambda v, p: True,
+    "megatron_cfg.moe_shared_expert_overlap": lambda v, p: True,
+    "megatron_cfg.moe_per_layer_logging": lambda v, p: True,
 }
 
 # keys whose settings only act on what they belong to, which is off or absent here
@@ -102,8 +114,9 @@ _INERT: dict[str, Callable[[dict[str, Any]], bool]] = {
     "megatron_cfg.fused_linear_logprobs_": lambda p: not _mcore(p).get("use_fused_linear_logprobs"),
     "megatron_cfg.recompute_": lambda p: not _mcore(p).get("activation_checkpointing"),
     "megatron_cfg.mtp_": lambda p: not _mcore(p).get("mtp_num_layers"),
-    "megatron_cfg.moe_": lambda p: True,  # dense models only (MoE is refused when built)
-    "megatron_cfg.freeze_moe_router": lambda p: True,
+    "megatron_cfg.moe_aux_loss_coeff": lambda p: (
+        _mcore(p).get("moe_router_load_balancing_type", "none") == "none"
+    ),
     "megatron_cfg.optimizer.sgd_": lambda p: (
         _mcore(p).get("optimizer", {}).get("optimizer") == "adam"
     ),

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from policyworker.config import from_dict, nemo_rl, read_data
+from policyworker.config import apply_overrides, from_dict, nemo_rl, read_data
 from policyworker.demo.config import DemoConfig
 from policyworker.losses.clipped_pg import ClippedPGConfig
 
@@ -64,9 +64,13 @@ _WHOLE = ("policy", *_SECTIONS)
 def load_demo_config(
     path: str | Path | None, overrides: list[str], *, ignore_unsupported: bool = False
 ) -> DemoConfig:
-    """The demo's options from its own YAML or a NeMo-RL GRPO recipe, with dotted overrides."""
-    data = read_data(path, overrides)
-    if isinstance(data.get("policy"), dict) and isinstance(data.get("grpo"), dict):
+    """The demo's options from its own YAML, a NeMo-RL GRPO recipe or a recipe's `policy:`
+    section alone (overrides then name its keys `policy.x`), with dotted overrides."""
+    data = read_data(path)
+    if nemo_rl.is_nemo_rl(data) and not isinstance(data.get("policy"), dict):
+        data = {"policy": data}  # a policy section alone
+    apply_overrides(data, overrides)
+    if isinstance(data.get("policy"), dict):
         data = demo_dict(data, ignore_unsupported=ignore_unsupported)
     return from_dict(DemoConfig, data)
 
@@ -78,7 +82,7 @@ def demo_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, An
     own = {k: v for k, v in data.items() if k in names and not (k == "data" and _section(v))}
     recipe = {k: nemo_rl.resolved(data, k) for k in _WHOLE if k in data}
     mapped: dict[str, Any] = {}
-    mapped["worker"], unsupported = _from_policy(data, mapped, user_model="model" in own)
+    mapped["worker"], unsupported = _from_policy(data, mapped, own)
     for section in _SECTIONS:
         for key, value in nemo_rl.leaves(recipe.get(section) or {}):
             key = f"{section}.{key}"
@@ -100,13 +104,13 @@ def demo_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, An
 
 
 def _from_policy(
-    data: dict[str, Any], ours: dict[str, Any], *, user_model: bool
+    data: dict[str, Any], ours: dict[str, Any], own: dict[str, Any]
 ) -> tuple[dict[str, Any], list[str]]:
     """Into `ours`, the demo's options the policy section sets; the rest of it as `worker`
-    fields, and its unsupported keys."""
+    fields, and its unsupported keys (`own`: the demo's options given directly)."""
     worker, unsupported = nemo_rl.policy_fields(data)
     model = worker.pop("model_name", None)
-    if model is not None and not user_model:
+    if model is not None and "model" not in own:
         if Path(model).is_dir():
             ours["model"] = model
         else:
@@ -124,8 +128,13 @@ def _from_policy(
     lr = worker.get("optimizer", {}).pop("lr", None)
     if lr is not None:
         ours["grpo_lr"] = lr
-    grpo = nemo_rl.resolved(data, "grpo") or {}
-    rollouts = grpo.get("num_prompts_per_step", 0) * grpo.get("num_generations_per_prompt", 0)
+    grpo, default = nemo_rl.resolved(data, "grpo") or {}, DemoConfig()
+    # what the demo will train: its own options win over the recipe's, as in the merge
+    prompts = own.get(
+        "prompts_per_step", grpo.get("num_prompts_per_step", default.prompts_per_step)
+    )
+    group = own.get("group_size", grpo.get("num_generations_per_prompt", default.group_size))
+    rollouts = prompts * group
     gbs, lbs = worker.pop("train_global_batch_size", None), worker.pop("logprob_batch_size", None)
     if gbs is not None and gbs != rollouts:
         unsupported.append(f"policy.train_global_batch_size={gbs!r} (the demo trains a step's "

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from policyworker.model.experts import transformers_view
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -59,9 +61,11 @@ class HFEngine:
         self.device = device
 
     def refit_targets(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The parameters a refit of `names` writes (a tied lm_head shares the embedding)."""
+        """The parameters a refit of `names` (on-disk HF names) writes: transformers' own, or a
+        view into its fused experts (a tied lm_head shares the embedding)."""
         state = self.model.state_dict(keep_vars=True)
-        return {n: state[n] for n in names if n in state}
+        views = {n: transformers_view(state, n) for n in names}
+        return {n: t for n, t in views.items() if t is not None}
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,9 @@ _START_TIMEOUT_S = 300.0  # importing torch and transformers, loading the model
 
 
 def tensor_sums(t: torch.Tensor) -> tuple[float, float]:
-    d = t.detach().double()
+    """Sum and sum of squares in float64, on the CPU: the same bits give the same two numbers
+    wherever the tensor lives (a GPU reduces in another order than the CPU)."""
+    d = t.detach().to("cpu", torch.float64)
     return float(d.sum()), float(d.square().sum())
 
 

@@ -1,12 +1,14 @@
-"""Build a megatron-core GPTModel for a Hugging Face dense decoder.
+"""Build a megatron-core GPTModel for a Hugging Face decoder, dense or mixture-of-experts.
 
 All model construction lives here (GPTModel is deprecated in mcore 0.19; a switch stays local).
-The layer spec is megatron's own modules (SelfAttention, MLP, Column/RowParallelLinear) with our
-SDPA core attention and HF-exact RMSNorm, so no Transformer Engine is needed.
+The layer spec is megatron's own modules (SelfAttention, MLP, Column/RowParallelLinear; for
+experts MoELayer with its router, token dispatcher and SequentialMLP experts) with our SDPA core
+attention and HF-exact RMSNorm, so no Transformer Engine is needed.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,16 +32,27 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
+from policyworker.config import MoEConfig
 from policyworker.model.attention import SDPACoreAttention
-from policyworker.model.hf_config import ModelShape, rope_inv_freq
+from policyworker.model.grouped_experts import GroupedExperts
+from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
 from policyworker.model.norm import RMSNorm
 from policyworker.parallel.dims import ParallelDims
 
 
 def transformer_config(
-    shape: ModelShape, *, dims: ParallelDims, params_dtype: torch.dtype, on_gpu: bool
+    shape: ModelShape,
+    *,
+    dims: ParallelDims,
+    params_dtype: torch.dtype,
+    on_gpu: bool,
+    router_dtype: str | None = None,
 ) -> TransformerConfig:
     """megatron's TransformerConfig for `shape`; fusions that need apex/TE are off."""
     bf16 = params_dtype == torch.bfloat16
@@ -79,13 +93,51 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         # Loss is already normalized by global token counts: DDP must sum, not average.
         calculate_per_token_loss=True,
+        **({} if shape.moe is None else moe_fields(shape.moe, router_dtype=router_dtype)),
     )
 
 
-def layer_spec(*, qk_norm: bool, num_layers: int) -> TransformerBlockSubmodules:
-    """`num_layers` dense pre-norm decoder layers of megatron modules, plus the final norm."""
+def moe_fields(moe: MoEShape, *, router_dtype: str | None) -> dict[str, Any]:
+    """TransformerConfig's expert settings for HF's routing: softmax over the experts, the top k;
+    renormalized over those k (`normalize_top_k`: megatron then softmaxes the k logits alone, the
+    same numbers) or not (softmax over all, then the top k). `router_dtype`: "fp32" / "fp64"."""
+    return dict(
+        moe_router_dtype=router_dtype,
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.expert_ffn_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.normalize_top_k,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_size or None,
+        moe_shared_expert_gate=moe.shared_expert_ffn_size > 0,
+        moe_grouped_gemm=False,
+    )
+
+
+def layer_spec(
+    *, qk_norm: bool, moe_layers: tuple[bool, ...], num_experts: int, grouped: bool = False
+) -> TransformerBlockSubmodules:
+    """Pre-norm decoder layers of megatron modules, one per entry of `moe_layers` (an MoE layer
+    of `num_experts` experts where True, a dense MLP where False), plus the final norm.
+    `grouped`: the experts run on grouped GEMMs (`GroupedExperts`), not SequentialMLP's loop."""
+    dense = _dense_layer(qk_norm=qk_norm)
+    if not any(moe_layers):
+        return TransformerBlockSubmodules(layer_specs=[dense] * len(moe_layers), layer_norm=RMSNorm)
+    mlp = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    if grouped:  # the same submodules, GroupedExperts in SequentialMLP's place
+        parts = mlp.keywords["submodules"]
+        experts = partial(GroupedExperts, **parts.experts.keywords)
+        mlp = partial(mlp.func, submodules=replace(parts, experts=experts))
+    moe = ModuleSpec(module=TransformerLayer, submodules=replace(dense.submodules, mlp=mlp))
+    layers = [moe if is_moe else dense for is_moe in moe_layers]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def _dense_layer(*, qk_norm: bool) -> ModuleSpec:
     qk = RMSNorm if qk_norm else IdentityOp
-    layer = ModuleSpec(
+    return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
@@ -111,7 +163,6 @@ def layer_spec(*, qk_norm: bool, num_layers: int) -> TransformerBlockSubmodules:
             mlp_bda=get_bias_dropout_add,
         ),
     )
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
 
 
 def build_gpt_model(
@@ -123,12 +174,28 @@ def build_gpt_model(
     max_seq_len: int,
     pre_process: bool = True,
     post_process: bool = True,
+    moe: MoEConfig | None = None,
 ) -> GPTModel:
-    """A GPTModel with this rank's shard of `shape`, on the current device, weights unset."""
+    """A GPTModel with this rank's shard of `shape`, on the current device, weights unset; with
+    `moe.freeze_moe_router` its routers take no gradient."""
     on_gpu = torch.cuda.is_available()
-    config = transformer_config(shape, dims=dims, params_dtype=params_dtype, on_gpu=on_gpu)
+    moe = moe or MoEConfig()
+    config = transformer_config(
+        shape,
+        dims=dims,
+        params_dtype=params_dtype,
+        on_gpu=on_gpu,
+        router_dtype=moe.moe_router_dtype,
+    )
     # This pipeline stage's share of the layers, as megatron splits them.
-    spec = layer_spec(qk_norm=shape.arch.qk_norm, num_layers=get_num_layers_to_build(config))
+    first, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    moe_layers = shape.moe.layers if shape.moe else (False,) * shape.num_layers
+    spec = layer_spec(
+        qk_norm=shape.arch.qk_norm,
+        moe_layers=moe_layers[first : first + count],
+        num_experts=shape.moe.num_experts if shape.moe else 0,
+        grouped=moe.moe_grouped_gemm,
+    )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -145,6 +212,10 @@ def build_gpt_model(
     for module in model.modules():
         if isinstance(module, SDPACoreAttention):
             module.set_rope(inv_freq)
+    if moe.freeze_moe_router:  # before DDP and the optimizer see the parameters
+        for name, param in model.named_parameters():
+            if name.endswith(".mlp.router.weight"):
+                param.requires_grad_(False)
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model

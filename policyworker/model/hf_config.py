@@ -1,7 +1,8 @@
 """Hugging Face config -> what megatron needs: the architecture table and RoPE frequencies.
 
 One row per supported `architectures[0]`. Adding a dense decoder is a row here plus, if its
-weight names differ, a row in `weights.py`.
+weight names differ, a row in `weights.py`; a mixture-of-experts decoder also reads its experts'
+dimensions in `_moe_shape`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,35 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False),
     "Qwen3ForCausalLM": ArchSpec(qkv_bias=False, qk_norm=True),
+    # mixture of experts
+    "MixtralForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
+    "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False),
+    "Qwen3MoeForCausalLM": ArchSpec(qkv_bias=False, qk_norm=True),
 }
+
+NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
+    "DeepseekV3ForCausalLM": "DeepSeek-V3 (MLA attention, a sigmoid router with expert bias and "
+    "group-limited routing, shared experts, dense first layers)",
+    "GptOssForCausalLM": "gpt-oss (biases, attention sinks, sliding-window layers)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    """The experts of a mixture-of-experts decoder (every MoE layer alike)."""
+
+    num_experts: int
+    top_k: int
+    """Experts per token."""
+    expert_ffn_size: int
+    """Each expert's intermediate size."""
+    normalize_top_k: bool
+    """Whether the top-k router probabilities are renormalized to sum to 1 (HF `norm_topk_prob`;
+    Mixtral always)."""
+    layers: tuple[bool, ...]
+    """Per layer: an MoE layer (True) or a dense MLP of `ffn_hidden_size` (False)."""
+    shared_expert_ffn_size: int = 0
+    """A shared expert beside the routed ones, scaled by a sigmoid gate (Qwen2-MoE); 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +84,8 @@ class ModelShape:
     rms_norm_eps: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    moe: MoEShape | None = None
+    """The experts, for a mixture-of-experts decoder."""
 
     @property
     def heads_per_group(self) -> int:
@@ -97,6 +128,8 @@ def model_shape(hf_config: Any) -> ModelShape:
     """Validate an HF config and read its dimensions. Raises `UnsupportedModelError`."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     name = archs[0] if archs else ""
+    if name in NOT_YET:
+        raise UnsupportedModelError(f"{name}: {NOT_YET[name]} is not supported yet")
     if name not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"model architecture {name or '(none)'!r} is not supported; "
@@ -128,6 +161,35 @@ def model_shape(hf_config: Any) -> ModelShape:
         rms_norm_eps=hf_config.rms_norm_eps,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,
+        moe=_moe_shape(name, hf_config),
+    )
+
+
+def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
+    """The experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config (None for a dense decoder)."""
+    layers = hf_config.num_hidden_layers
+    if name == "MixtralForCausalLM":
+        if getattr(hf_config, "router_jitter_noise", 0.0):
+            raise UnsupportedModelError("router_jitter_noise > 0 is not supported")
+        return MoEShape(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            expert_ffn_size=hf_config.intermediate_size,
+            normalize_top_k=True,
+            layers=(True,) * layers,
+        )
+    if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = hf_config.decoder_sparse_step
+    experts = hf_config.num_experts
+    return MoEShape(
+        num_experts=experts,
+        top_k=hf_config.num_experts_per_tok,
+        expert_ffn_size=hf_config.moe_intermediate_size,
+        normalize_top_k=bool(hf_config.norm_topk_prob),
+        layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
+        shared_expert_ffn_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
     )
 
 
@@ -195,7 +257,8 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     ep = parallel.expert_model_parallel_size
     if ep != 1:
-        raise ValueError(f"{field('expert_model_parallel')}: expected 1 (dense models), got {ep}")
+        what = "dense models" if shape.moe is None else "expert parallelism is not supported yet"
+        raise ValueError(f"{field('expert_model_parallel')}: expected 1 ({what}), got {ep}")
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
     tp_split = {
@@ -203,6 +266,9 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
         "num_key_value_heads": shape.num_kv_heads,
         "intermediate_size": shape.ffn_hidden_size,
     }
+    if shape.moe is not None:
+        tp_split["moe_intermediate_size"] = shape.moe.expert_ffn_size
+        tp_split["shared_expert_intermediate_size"] = shape.moe.shared_expert_ffn_size
     for name, size in tp_split.items():
         if size % tp:
             raise ValueError(

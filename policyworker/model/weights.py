@@ -1,23 +1,15 @@
-"""Hugging Face <-> megatron weight names and layouts, and safetensors I/O.
+"""Hugging Face <-> megatron weight names, and safetensors I/O.
 
-The table is explicit: one mapping object per megatron parameter, naming the HF tensors it is made
-of. Three layouts exist:
-
-* `Copy`: same tensor (norms, embeddings, o_proj, down_proj, lm_head);
-* `QKV`: q/k/v projections fused per query group, the layout megatron's `linear_qkv` uses:
-  for each of the `ng` groups, `[q heads of the group, k, v]` stacked along dim 0;
-* `GateUp`: `linear_fc1 = [gate; up]`.
-
-Each mapping converts full (unsharded) tensors both ways, exactly (export(import(w)) == w), and
-cuts or joins tensor-parallel shards. Export is an iterator of (hf_name, tensor) so that a refit
-transport or a safetensors writer can consume it without knowing the layout.
+The table is explicit: one mapping object per megatron parameter (`layouts.py`), naming the HF
+tensors it is made of; an MoE layer's rows come from `experts.py`. Export is an iterator of
+(hf_name, tensor) so that a refit transport or a safetensors writer can consume it without knowing
+the layout.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,93 +18,11 @@ import torch.distributed as dist
 import transformers
 from safetensors import safe_open
 
+from policyworker.model.experts import expert_shapes, fused_source, moe_mappings
 from policyworker.model.hf_config import ModelShape
+from policyworker.model.layouts import QKV, Copy, GateUp, Mapping, VocabRows
 
-
-@dataclass(frozen=True, slots=True)
-class Copy:
-    """One HF tensor is one megatron tensor; `tp_dim` is the dim split by TP (None: replicated)."""
-
-    mcore: str
-    hf: tuple[str, ...]
-    tp_dim: int | None
-
-    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
-        return tensors[0]
-
-    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
-        return [tensor]
-
-    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        if self.tp_dim is None or size == 1:
-            return full
-        return full.chunk(size, dim=self.tp_dim)[rank]
-
-    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        if self.tp_dim is None or len(shards) == 1:
-            return shards[0]
-        return torch.cat(shards, dim=self.tp_dim)
-
-
-@dataclass(frozen=True, slots=True)
-class QKV(Copy):
-    """q, k, v projections (weight [*, hidden] or bias [*]) fused per query group."""
-
-    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
-        q, k, v = tensors
-        ng, hd = shape.num_kv_heads, shape.head_dim
-        rest = q.shape[1:]
-        q = q.reshape(ng, shape.heads_per_group * hd, *rest)
-        k = k.reshape(ng, hd, *rest)
-        v = v.reshape(ng, hd, *rest)
-        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
-        ng, hd, hpg = shape.num_kv_heads, shape.head_dim, shape.heads_per_group
-        rest = tensor.shape[1:]
-        grouped = tensor.reshape(ng, (hpg + 2) * hd, *rest)
-        q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
-        return [x.reshape(-1, *rest) for x in (q, k, v)]
-
-    # Groups are contiguous along dim 0, so TP shards are plain chunks (tp_dim=0).
-
-
-@dataclass(frozen=True, slots=True)
-class GateUp(Copy):
-    """`linear_fc1 = [gate; up]`; each TP rank holds `[gate_r; up_r]`."""
-
-    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
-        return torch.cat(tensors, dim=0)
-
-    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
-        return list(tensor.chunk(2, dim=0))
-
-    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
-
-    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-
-
-@dataclass(frozen=True, slots=True)
-class VocabRows(Copy):
-    """Embedding / output rows: zero rows pad the vocabulary to `rows` (a multiple of TP); the
-    HF side has exactly `vocab_size` rows."""
-
-    rows: int = 0
-
-    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
-        full = tensors[0]
-        pad = self.rows - full.shape[0]
-        return torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
-
-    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
-        return [tensor[: shape.vocab_size]]
-
-
-Mapping = Copy | QKV | GateUp | VocabRows
+__all__ = ["QKV", "Copy", "GateUp", "Mapping", "VocabRows", "mappings"]
 
 
 def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
@@ -142,6 +52,10 @@ def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
     out += [
         Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1),
         Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
+    ]
+    if shape.moe is not None and shape.moe.layers[i]:
+        return out + moe_mappings(i, shape)
+    out += [
         GateUp(
             m + "mlp.linear_fc1.weight",
             (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
@@ -196,10 +110,17 @@ class SafetensorsReader:
         return set(self._files)
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._files:
+        """The tensor `name`; a per-expert name is also read out of transformers' fused layout
+        (only that expert's rows are read)."""
+        if name in self._files:
+            with safe_open(self._files[name], framework="pt") as f:
+                return f.get_tensor(name)
+        fused = fused_source(name)
+        if fused is None or fused.name not in self._files:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        with safe_open(self._files[name], framework="pt") as f:
-            return f.get_tensor(name)
+        with safe_open(self._files[fused.name], framework="pt") as f:
+            rows = f.get_slice(fused.name)[fused.expert]
+        return rows if fused.half is None else rows.chunk(2, dim=0)[fused.half]
 
 
 def load_hf_weights(
@@ -263,8 +184,10 @@ def check_hf_folder(folder: str | Path, hf_config: Any, shape: ModelShape, *, fi
     found = _safetensors_headers(Path(folder), field)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()} | expert_shapes(shape)
     for name in (n for m in mappings(shape) for n in m.hf):
+        if name not in found and (shape_in := _in_fused(name, found)) is not None:
+            found[name] = shape_in
         if name not in found:
             raise ValueError(f"{field}: {folder} has no tensor {name!r} (config.json needs it)")
         if found[name] != expected.get(name, found[name]):
@@ -272,6 +195,18 @@ def check_hf_folder(folder: str | Path, hf_config: Any, shape: ModelShape, *, fi
                 f"{field}: {folder}: {name} has shape {list(found[name])}; config.json gives "
                 f"{list(expected[name])} (do config.json and the weights belong together?)"
             )
+
+
+def _in_fused(name: str, found: dict[str, tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The shape of per-expert tensor `name` held in a fused expert tensor of `found` (None: it is
+    not there, or that expert is past the fused tensor's count)."""
+    fused = fused_source(name)
+    if fused is None or fused.name not in found:
+        return None
+    experts, *rows = found[fused.name]
+    if fused.expert >= experts:
+        return None
+    return tuple(rows) if fused.half is None else (rows[0] // 2, *rows[1:])
 
 
 def _safetensors_headers(folder: Path, field: str) -> dict[str, tuple[int, ...]]:

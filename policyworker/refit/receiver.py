@@ -11,7 +11,9 @@ at any point leaves them as they were (at the previous version).
 stays where it is, as an engine that captured their addresses in CUDA graphs needs) or adopts
 them (`adopt=True`): each live tensor becomes a view of the staged bytes (`.data` replaced, no
 copy) and the bytes it held become the next refit's staging. Adopting saves a pass over the whole
-model at the end of every refit, for the same memory (live weights plus one staging copy).
+model at the end of every refit, for the same memory (live weights plus one staging copy). A
+target that is a view into a larger tensor (one expert's rows of transformers' fused experts) is
+always copied into: replacing its `.data` would detach it from the tensor it is part of.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Staging:
         self.adopt, self.shared = adopt, shared
         self.layout = Layout(info, bucket_bytes=None)
         self.targets = dict(targets)
+        self._adopted = {n for n, t in targets.items() if adopt and not t._is_view()}
         self.device = next(iter(targets.values())).device if targets else torch.device("cpu")
         # Staging bytes, allocated at the first refit and reused; with `adopt`, the bytes the
         # live tensors view are kept too (they are the staging of the refit after next).
@@ -119,7 +122,7 @@ class Staging:
         views = self._slot_views()
         with torch.no_grad():
             for name, view in views.items():
-                if self.adopt:
+                if name in self._adopted:
                     self.targets[name].data = view
                 else:
                     self.targets[name].copy_(view)

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from policyworker.model.hf_config import ModelShape
-from policyworker.model.weights import GateUp, Mapping, VocabRows, mappings
+from policyworker.model.layouts import GateUp, Mapping, VocabRows
+from policyworker.model.weights import mappings
 from policyworker.refit.group import agree, fingerprint, start_broadcast, wait_for
 from policyworker.refit.layout import RefitError, RefitInfo, RefitReport, checksum
 

@@ -1,0 +1,142 @@
+"""A mixture-of-experts layer's weights: the HF names of each family, their megatron rows, and the
+fused layout some checkpoints store experts in.
+
+On disk (what transformers 5 writes and inference engines read) every expert has its own
+tensors: `mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE) or
+`block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral), a router `gate.weight` [E, hidden], and for
+Qwen2-MoE a shared expert and its sigmoid gate. transformers 5 holds them fused in memory —
+`mlp.experts.gate_up_proj` [E, 2·ffn, hidden] and `mlp.experts.down_proj` [E, hidden, ffn] — and
+a checkpoint saved in that layout is read too (`fused_source`). Exports use per-expert names.
+
+megatron's MoELayer holds `mlp.router.weight`, `mlp.experts.local_experts.{e}.linear_fc1/2` (one
+SequentialMLP expert each) and `mlp.shared_experts.linear_fc1/2` with `gate_weight` [1, hidden].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from policyworker.model.hf_config import ModelShape
+from policyworker.model.layouts import Copy, GateUp, Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertNames:
+    """One family's HF names inside a decoder layer."""
+
+    block: str
+    """The MoE block's attribute (`mlp`, `block_sparse_moe`)."""
+    gate: str
+    up: str
+    down: str
+
+
+_QWEN = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
+_MIXTRAL = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+EXPERT_NAMES: dict[str, ExpertNames] = {
+    "MixtralForCausalLM": _MIXTRAL,
+    "Qwen2MoeForCausalLM": _QWEN,
+    "Qwen3MoeForCausalLM": _QWEN,
+}
+
+
+def moe_mappings(i: int, shape: ModelShape) -> list[Mapping]:
+    """The rows of layer `i`'s MoE block: router, every expert in order, the shared expert."""
+    assert shape.moe is not None
+    names = EXPERT_NAMES[shape.architecture]
+    m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}."
+    block = f"{h}{names.block}."
+    out: list[Mapping] = [Copy(m + "router.weight", (block + "gate.weight",), None)]
+    for e in range(shape.moe.num_experts):
+        hf, ours = f"{block}experts.{e}.", f"{m}experts.local_experts.{e}."
+        out += [
+            GateUp(
+                ours + "linear_fc1.weight",
+                (f"{hf}{names.gate}.weight", f"{hf}{names.up}.weight"),
+                0,
+            ),
+            Copy(ours + "linear_fc2.weight", (f"{hf}{names.down}.weight",), 1),
+        ]
+    if shape.moe.shared_expert_ffn_size:
+        shared = f"{h}mlp.shared_expert."
+        out += [
+            GateUp(
+                m + "shared_experts.linear_fc1.weight",
+                (shared + "gate_proj.weight", shared + "up_proj.weight"),
+                0,
+            ),
+            Copy(m + "shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), 1),
+            Copy(m + "shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), None),
+        ]
+    return out
+
+
+def expert_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The shape config.json implies for each per-expert HF tensor and router of the model."""
+    moe = shape.moe
+    if moe is None:
+        return {}
+    names = EXPERT_NAMES[shape.architecture]
+    hidden, ffn = shape.hidden_size, moe.expert_ffn_size
+    out: dict[str, tuple[int, ...]] = {}
+    for i in (i for i, is_moe in enumerate(moe.layers) if is_moe):
+        block = f"model.layers.{i}.{names.block}."
+        out[block + "gate.weight"] = (moe.num_experts, hidden)
+        for e in range(moe.num_experts):
+            hf = f"{block}experts.{e}."
+            out[f"{hf}{names.gate}.weight"] = out[f"{hf}{names.up}.weight"] = (ffn, hidden)
+            out[f"{hf}{names.down}.weight"] = (hidden, ffn)
+    return out
+
+
+_PER_EXPERT = re.compile(
+    r"^(?P<layer>.*)\.(?:mlp|block_sparse_moe)\.experts\.(?P<e>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_HALF = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": None, "w2": None}
+
+
+@dataclass(frozen=True, slots=True)
+class FusedSource:
+    """Where a per-expert tensor lives in transformers' fused layout: `name`[expert], and of a
+    `gate_up_proj` the gate (half 0) or up (half 1) rows."""
+
+    name: str
+    expert: int
+    half: int | None
+
+
+def fused_source(name: str) -> FusedSource | None:
+    """The fused tensor a per-expert HF name is part of (None: not an expert tensor)."""
+    found = _PER_EXPERT.match(name)
+    if found is None:
+        return None
+    half = _HALF[found["proj"]]
+    fused = "gate_up_proj" if half is not None else "down_proj"
+    return FusedSource(f"{found['layer']}.mlp.experts.{fused}", int(found["e"]), half)
+
+
+def per_expert_names(fused: str, num_experts: int, architecture: str) -> list[str]:
+    """The per-expert names a fused tensor stands for, in `architecture`'s naming."""
+    names = EXPERT_NAMES[architecture]
+    layer, kind = fused.rsplit(".mlp.experts.", 1)
+    projections = (names.gate, names.up) if kind == "gate_up_proj" else (names.down,)
+    block = f"{layer}.{names.block}.experts."
+    return [f"{block}{e}.{p}.weight" for e in range(num_experts) for p in projections]
+
+
+def transformers_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The part of a transformers model's tensors (`state_dict(keep_vars=True)`) that on-disk
+    name `name` stands for: the tensor itself, Mixtral's under its in-memory block name, or an
+    expert's rows of a fused tensor (a view: writing it writes the model). None: not there."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    if name in state:
+        return state[name]
+    fused = fused_source(name)
+    if fused is None or fused.name not in state:
+        return None
+    rows = state[fused.name][fused.expert]
+    return rows if fused.half is None else rows.chunk(2, dim=0)[fused.half]

@@ -1,0 +1,106 @@
+"""How megatron holds each Hugging Face tensor: one mapping object per megatron parameter, naming
+the HF tensors it is made of, in one of four layouts:
+
+* `Copy`: same tensor (norms, embeddings, o_proj, down_proj, lm_head, routers, experts' down);
+* `QKV`: q/k/v projections fused per query group, the layout megatron's `linear_qkv` uses:
+  for each of the `ng` groups, `[q heads of the group, k, v]` stacked along dim 0;
+* `GateUp`: `linear_fc1 = [gate; up]` (dense MLPs, experts, shared experts);
+* `VocabRows`: embedding and output rows, padded to a multiple of TP.
+
+Each converts full (unsharded) tensors both ways, exactly (export(import(w)) == w), and cuts or
+joins tensor-parallel shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from policyworker.model.hf_config import ModelShape
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """One HF tensor is one megatron tensor; `tp_dim` is the dim split by TP (None: replicated)."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    tp_dim: int | None
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        return tensors[0]
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [tensor]
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        if self.tp_dim is None or size == 1:
+            return full
+        return full.chunk(size, dim=self.tp_dim)[rank]
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        return torch.cat(shards, dim=self.tp_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class QKV(Copy):
+    """q, k, v projections (weight [*, hidden] or bias [*]) fused per query group."""
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        q, k, v = tensors
+        ng, hd = shape.num_kv_heads, shape.head_dim
+        rest = q.shape[1:]
+        q = q.reshape(ng, shape.heads_per_group * hd, *rest)
+        k = k.reshape(ng, hd, *rest)
+        v = v.reshape(ng, hd, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        ng, hd, hpg = shape.num_kv_heads, shape.head_dim, shape.heads_per_group
+        rest = tensor.shape[1:]
+        grouped = tensor.reshape(ng, (hpg + 2) * hd, *rest)
+        q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
+        return [x.reshape(-1, *rest) for x in (q, k, v)]
+
+    # Groups are contiguous along dim 0, so TP shards are plain chunks (tp_dim=0).
+
+
+@dataclass(frozen=True, slots=True)
+class GateUp(Copy):
+    """`linear_fc1 = [gate; up]`; each TP rank holds `[gate_r; up_r]`."""
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        return torch.cat(tensors, dim=0)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return list(tensor.chunk(2, dim=0))
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+
+@dataclass(frozen=True, slots=True)
+class VocabRows(Copy):
+    """Embedding / output rows: zero rows pad the vocabulary to `rows` (a multiple of TP); the
+    HF side has exactly `vocab_size` rows."""
+
+    rows: int = 0
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        full = tensors[0]
+        pad = self.rows - full.shape[0]
+        return torch.cat([full, full.new_zeros(pad, *full.shape[1:])]) if pad else full
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [tensor[: shape.vocab_size]]
+
+
+Mapping = Copy | QKV | GateUp | VocabRows

@@ -1,0 +1,309 @@
+"""Mixture-of-experts decoders from Hugging Face (Qwen3-MoE, Qwen2-MoE, Mixtral; 8 experts, top-2):
+logprobs, top-k and a loss's gradients equal transformers' (fp32), per-expert export that
+transformers reloads, the fused expert layout read too, and the architectures refused by name."""
+
+import pytest
+import torch
+import transformers
+from conftest import make_worker
+from helpers import hf_logprobs, make_batch, make_hf_model
+from safetensors.torch import load_file, save_file
+
+from policyworker.config import OptimizerConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.losses import NLLLoss
+from policyworker.model.hf_config import UnsupportedModelError, model_shape
+
+FAMILIES = {
+    "qwen3_moe": {},  # qk-norm, renormalized top-k, a dense first layer (mlp_only_layers)
+    "qwen3_moe-unnormalized": {"norm_topk_prob": False, "mlp_only_layers": []},
+    "qwen2_moe": {},  # shared expert with a sigmoid gate, qkv bias, top-k not renormalized
+    "qwen2_moe-sparse-step": {"decoder_sparse_step": 2, "num_hidden_layers": 4},
+    "mixtral": {},
+}
+
+
+def _model(tmp_path, case: str):
+    arch = case.split("-")[0]
+    return make_hf_model(tmp_path / case, arch, **FAMILIES[case])
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def moe_dir(request, tmp_path_factory):
+    return _model(tmp_path_factory.mktemp("moe"), request.param)
+
+
+def test_the_shape_reads_each_family(tmp_path):
+    q3 = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "qwen3_moe")))
+    assert q3.moe is not None and q3.moe.layers == (False, True)
+    assert (q3.moe.num_experts, q3.moe.top_k, q3.moe.expert_ffn_size) == (8, 2, 32)
+    assert q3.moe.normalize_top_k and q3.moe.shared_expert_ffn_size == 0
+    q2 = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "qwen2_moe")))
+    assert q2.moe.shared_expert_ffn_size == 48 and not q2.moe.normalize_top_k
+    sparse = _model(tmp_path, "qwen2_moe-sparse-step")
+    assert model_shape(transformers.AutoConfig.from_pretrained(sparse)).moe.layers == (
+        False,
+        True,
+        False,
+        True,
+    )
+    mx = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "mixtral")))
+    assert mx.moe.normalize_top_k and mx.moe.layers == (True, True)
+
+
+def test_logprobs_and_topk_equal_transformers(moe_dir):
+    worker = make_worker(moe_dir, logprob_batch_size=2)
+    data = make_batch(batch=5, seq=20, lengths=[20, 7, 13, 1, 16])
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    ref = hf_logprobs(moe_dir, data)
+    assert (ours - ref).abs().max().item() <= 1e-5
+    model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    with torch.no_grad():
+        vals, idx = model(data["input_ids"]).logits.topk(4, dim=-1)
+    out = worker.get_topk_logits(data=data, k=4)
+    valid = torch.arange(20)[None, :] < data["input_lengths"][:, None]
+    assert (out["topk_logits"] - vals * valid[..., None]).abs().max() <= 1e-5
+    assert torch.equal(out["topk_indices"][valid], idx[valid])
+
+
+def _hf_grads(folder, data) -> dict[str, torch.Tensor]:
+    """Gradients of the masked tokens' summed NLL, per transformers parameter (in memory: fused
+    experts)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids, mask = data["input_ids"], data["token_mask"]
+    lengths = data["input_lengths"]
+    attn = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    logits = model(ids, attention_mask=attn).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (-(lp * mask[:, 1:]).sum()).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_gradients_of_a_loss_equal_transformers(moe_dir, tmp_path):
+    """The worker's gradients of a step's micro-batches (before the step normalizes them by the
+    token count), exported through the HF mapping, against transformers' of the summed NLL."""
+    worker = make_worker(moe_dir, train_global_batch_size=4, train_micro_batch_size=2)
+    data = make_batch(batch=4, seq=12)
+    ref = _hf_grads(moe_dir, data)
+    grads = _worker_grads(worker, data)
+    compared = 0
+    for name, g in grads.items():
+        want = _hf_rows(ref, name)
+        scale = want.abs().max().clamp_min(1e-8)
+        assert ((g - want).abs().max() / scale).item() <= 1e-5, name
+        compared += 1
+    assert compared == len(grads) and any(".experts." in n for n in grads)
+
+
+def _worker_grads(worker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
+    """HF-named gradients of the worker's NLLLoss on `data`, unnormalized (a split step opened,
+    one chunk added, the step dropped)."""
+    from policyworker.model.build import global_named_parameters
+    from policyworker.model.weights import export_hf_weights
+
+    worker.begin_train_step(NLLLoss(), gbs=4, mbs=2)
+    worker.train_microbatch(data)
+    params = global_named_parameters(worker.state.model)
+    grads = {n: p.main_grad for n, p in params.items()}
+    out = {n: g.clone() for n, g in export_hf_weights(grads, worker.shape)}
+    worker.abort_train_step()
+    return out
+
+
+def _hf_rows(ref: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """transformers' gradient for an on-disk name (fused experts sliced per expert)."""
+    from policyworker.model.experts import fused_source
+
+    in_memory = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block, renamed
+    if in_memory in ref:
+        return ref[in_memory]
+    fused = fused_source(name)
+    assert fused is not None, name
+    rows = ref[fused.name][fused.expert]
+    return rows if fused.half is None else rows.chunk(2, dim=0)[fused.half]
+
+
+def test_export_uses_per_expert_names_and_transformers_reloads_it(moe_dir, tmp_path):
+    worker = make_worker(moe_dir)
+    out = worker.save_hf_pretrained(tmp_path / "export")
+    saved = load_file(out / "model.safetensors")
+    assert saved.keys() == load_file(moe_dir / "model.safetensors").keys()
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
+    data = make_batch(batch=3, seq=10)
+    torch.testing.assert_close(hf_logprobs(out, data), hf_logprobs(moe_dir, data))
+
+
+def test_experts_stored_fused_load_the_same(tmp_path):
+    folder = _model(tmp_path, "qwen3_moe")
+    tensors = load_file(folder / "model.safetensors")
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    layer = "model.layers.1.mlp.experts."
+    gate_up = [torch.cat([tensors[f"{layer}{e}.gate_proj.weight"], tensors[f"{layer}{e}.up_proj.weight"]]) for e in range(8)]  # fmt: skip
+    fused[layer + "gate_up_proj"] = torch.stack(gate_up)
+    fused[layer + "down_proj"] = torch.stack([tensors[f"{layer}{e}.down_proj.weight"] for e in range(8)])  # fmt: skip
+    save_file(fused, folder / "model.safetensors", metadata={"format": "pt"})
+    data = make_batch(batch=2, seq=10)
+    ours = make_worker(folder).get_logprobs(data=data)["logprobs"]
+    assert (ours - hf_logprobs(folder, data)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("architecture", "match"),
+    [
+        ("DeepseekV3ForCausalLM", "DeepSeek-V3 .* not supported yet"),
+        ("GptOssForCausalLM", "gpt-oss"),
+    ],
+)
+def test_architectures_not_yet_supported_are_refused_by_name(architecture, match):
+    config = transformers.PretrainedConfig(architectures=[architecture])
+    with pytest.raises(UnsupportedModelError, match=match):
+        model_shape(config)
+
+
+def _params(worker) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in worker.state.model.named_parameters()}
+
+
+def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
+    """Qwen2-MoE (routed and shared experts): steps lower the loss; a checkpoint taken after one
+    step resumes bit for bit, every expert's Adam moments included (none re-initialized)."""
+    folder = _model(tmp_path, "qwen2_moe")
+    data = make_batch(batch=4, seq=12)
+    opt = OptimizerConfig(lr=1e-2)
+    first = make_worker(folder, optimizer=opt)
+    losses = [first.train(data, NLLLoss())["loss"]]
+    first.save_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    losses += [first.train(data, NLLLoss())["loss"] for _ in range(3)]
+    assert losses[-1] < losses[0]
+    resumed = make_worker(folder, optimizer=opt)
+    resumed.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    again = [resumed.train(data, NLLLoss())["loss"] for _ in range(3)]
+    assert again == losses[1:]
+    ours, theirs = _params(first), _params(resumed)
+    assert all(torch.equal(ours[n], theirs[n]) for n in ours)
+    moments = [s["exp_avg"] for s in resumed.state.optimizer.optimizer.state.values()]
+    assert len(moments) == len(ours) and all(m.abs().sum() > 0 for m in moments[:3])
+
+
+def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
+    worker = make_worker(_model(tmp_path, "mixtral"))
+    worker.train(make_batch(batch=4, seq=12), NLLLoss())
+    before = _params(worker)
+    worker.offload_after_refit()
+    assert all(p.device.type == "cpu" for p in worker.state.model.parameters())
+    worker.prepare_for_training()
+    after = _params(worker)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    ("case", "transport", "trainer_tp", "receiver_tp"),
+    [("qwen3_moe", "ipc", 1, 1), ("mixtral", "collective", 1, 1), ("qwen2_moe", "reshard", 1, 2)],
+)
+def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer_tp, receiver_tp):
+    """Every transport delivers per-expert weights bit for bit: into transformers' engine (whose
+    experts are fused in memory: written through views) and into destination workers."""
+    import json
+
+    from policyworker.tools import refit_check as check
+
+    folder = _model(tmp_path, case)
+    opts = check.CheckOptions(
+        model=str(folder),
+        transport=transport,
+        trainer_tp=trainer_tp,
+        receiver_tp=receiver_tp,
+        refits=2,
+    )
+    assert check.main(opts) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["ok"] and row["weights_equal"] and row["weight_version"] == 2
+    assert row["max_logprob_diff"] <= 1e-4
+
+
+@pytest.mark.processes
+def test_the_demo_trains_an_moe_model(tmp_path):
+    """The main job on a user's Qwen3-MoE folder: SFT and GRPO steps through the driver, each
+    GRPO step refitting transformers' engine (its fused experts written per expert)."""
+    import json
+
+    from policyworker.cli import main
+    from policyworker.demo.task import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    folder = make_hf_model(
+        tmp_path / "moe", "qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=64
+    )
+    tokenizer.save_pretrained(folder)
+    data = tmp_path / "tasks.jsonl"
+    rows = [json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) for a in range(10)]
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    options = ["sft_steps=2", "grpo_steps=2", "prompts_per_step=4", "group_size=2"]
+    options += ["micro_batch_size=8", "sft_batch=8", "max_sequence_length=32"]
+    main(["demo", "--model", str(folder), "--data", str(data), "--out", str(out), *options])
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in metrics] == ["sft", "sft", "grpo", "grpo"]
+    assert [r["weight_version"] for r in metrics if r["phase"] == "grpo"] == [1, 2]
+    assert (out / "hf" / "model.safetensors").exists()
+
+
+def test_a_frozen_router_keeps_its_weights_and_the_rest_trains(tmp_path):
+    from policyworker.config import MoEConfig
+
+    folder = _model(tmp_path, "qwen3_moe")
+    worker = make_worker(
+        folder, optimizer=OptimizerConfig(lr=1e-2), moe=MoEConfig(freeze_moe_router=True)
+    )
+    before = _params(worker)
+    worker.train(make_batch(batch=4, seq=12), NLLLoss())
+    after = _params(worker)
+    routers = [n for n in before if n.endswith("mlp.router.weight")]
+    assert routers and all(torch.equal(before[n], after[n]) for n in routers)
+    experts = [n for n in before if ".experts." in n]
+    assert any(not torch.equal(before[n], after[n]) for n in experts)
+
+
+@pytest.mark.parametrize("router_dtype", ["fp32", "fp64"])
+def test_router_dtype_keeps_logprobs_exact(tmp_path, router_dtype):
+    from policyworker.config import MoEConfig
+
+    folder = _model(tmp_path, "mixtral")
+    worker = make_worker(folder, moe=MoEConfig(moe_router_dtype=router_dtype))
+    router = worker.state.model.decoder.layers[0].mlp.router
+    assert router.config.moe_router_dtype == router_dtype
+    data = make_batch(batch=3, seq=12)
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    assert (ours - hf_logprobs(folder, data)).abs().max().item() <= 1e-5
+
+
+def test_moe_options_are_checked():
+    from policyworker.config import MoEConfig
+
+    with pytest.raises(ValueError, match=r"moe\.moe_router_dtype"):
+        MoEConfig(moe_router_dtype="bf16").validate()
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral"])
+def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
+    """The grouped-GEMM experts and megatron's SequentialMLP: the same logprobs and gradients
+    (fp32, CPU) on the same parameters; the modules are what the option says."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from policyworker.config import MoEConfig
+    from policyworker.model.grouped_experts import GroupedExperts
+
+    folder = _model(tmp_path, case)
+    data = make_batch(batch=4, seq=12)
+    out = {}
+    for grouped in (True, False):
+        worker = make_worker(folder, moe=MoEConfig(moe_grouped_gemm=grouped))
+        experts = [m for m in worker.state.model.modules() if isinstance(m, SequentialMLP)]
+        assert experts and all(isinstance(m, GroupedExperts) == grouped for m in experts)
+        out[grouped] = (worker.get_logprobs(data=data)["logprobs"], _worker_grads(worker, data))
+    (lp_g, grads_g), (lp_s, grads_s) = out[True], out[False]
+    assert (lp_g - lp_s).abs().max().item() <= 1e-6
+    for name, g in grads_g.items():
+        scale = grads_s[name].abs().max().clamp_min(1e-8)
+        assert ((g - grads_s[name]).abs().max() / scale).item() <= 1e-6, name
