@@ -307,3 +307,28 @@ def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
     for name, g in grads_g.items():
         scale = grads_s[name].abs().max().clamp_min(1e-8)
         assert ((g - grads_s[name]).abs().max() / scale).item() <= 1e-6, name
+
+
+@pytest.mark.processes
+def test_megatron_moe_runs_expert_parallel_on_gloo(tmp_path):
+    """EP2 on two gloo ranks (the alltoall dispatcher's split sizes reach gloo as host numbers,
+    compat/cpu.py): logits equal transformers'. The worker itself refuses EP > 1 for now."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = _model(tmp_path, "qwen3_moe")
+    script = Path(__file__).parent / "moe_ep_forward.py"
+    out = tmp_path / "diff.txt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, str(script), str(folder), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert float(out.read_text()) <= 1e-5

@@ -10,7 +10,10 @@ megatron-core assumes CUDA in a few places that our code paths reach:
   parameters by;
 * `tensor.cuda()` on the last stage's copy of tied embeddings (pipeline parallelism) and in the
   distributed optimizer's checkpoint gather;
-* `torch.cuda` calls in dist-checkpointing's writer (a sync after staging, a flag tensor).
+* `torch.cuda` calls in dist-checkpointing's writer (a sync after staging, a flag tensor);
+* mixture of experts: the router moves its weight to `torch.cuda.current_device()`, the alltoall
+  dispatcher makes a `torch.cuda.Stream()` when built, and its `maybe_move_tensor_to_cpu` only
+  turns CUDA tensors into host split sizes (gloo's alltoall then gets tensors: `_host_split_sizes`).
 
 (megatron's grad clipping is not reached: `train.optimizer.optimizer_step` clips.)
 
@@ -263,5 +266,19 @@ def apply_cpu_patches() -> bool:
         "setup_embeddings_and_output_layer",
         _tensor_cuda_stays_on_cpu,
     )
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes(dispatcher.maybe_move_tensor_to_cpu)
     _active = True
     return True
+
+
+def _host_split_sizes(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's `maybe_move_tensor_to_cpu`, also for CPU tensors: the alltoall dispatcher's
+    split sizes must reach gloo as host numbers (numpy), not as tensors."""
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and as_numpy:
+            return tensor.cpu().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return to_host
