@@ -28,6 +28,7 @@ import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from traceback import format_exc
 from typing import Any, Protocol
 
 from policyworker.driver.wire import unpack
@@ -104,14 +105,17 @@ class Answers:
             )
             return
         if status == "ok":
-            self.values[rank] = unpack(value)
-            self.seconds[rank] = seconds
-        else:
-            self.errors[rank], blob = value
-            if blob is not None:
-                with contextlib.suppress(Exception):  # e.g. a type this process cannot import
-                    self.raised[rank] = pickle.loads(blob)
-            self.first_error_at = self.first_error_at or time.monotonic()
+            try:
+                self.values[rank] = unpack(value)
+                self.seconds[rank] = seconds
+                return
+            except Exception:  # e.g. a result of a class the driver cannot import
+                value = (f"its result does not unpickle in the driver:\n{format_exc()}", None)
+        self.errors[rank], blob = value
+        if blob is not None:
+            with contextlib.suppress(Exception):  # e.g. a type this process cannot import
+                self.raised[rank] = pickle.loads(blob)
+        self.first_error_at = self.first_error_at or time.monotonic()
 
     def died(self, rank: int, how: str) -> None:
         self.dead[rank] = how
