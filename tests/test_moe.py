@@ -332,3 +332,60 @@ def test_megatron_moe_runs_expert_parallel_on_gloo(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert float(out.read_text()) <= 1e-5
+
+
+MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; experts follow TP (megatron wants SP with it)
+    "tp2-sequence-parallel": (2, 1, ("sp",)),
+    "pp2": (1, 2, ()),
+    "dp2": (1, 1, ()),
+    "dp2-packed": (1, 1, ("pack",)),
+    "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
+    "cp2-packed": (1, 1, ("cp", "pack")),
+    "pp2-split-step": (1, 2, ("split",)),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_layouts(tmp_path_factory):
+    """Qwen2-MoE (routed and shared experts, tied embeddings) on one rank and on every two-rank
+    layout of `MOE_LAYOUTS` (one launch of tests/multirank.py)."""
+    from multirank import config, fixed_batch, layout_results
+    from test_parallel import VOCAB, launch
+
+    from policyworker.worker import MegatronPolicyWorker
+
+    folder = make_hf_model(
+        tmp_path_factory.mktemp("moe_tied"), "qwen2_moe", vocab_size=VOCAB, tie_word_embeddings=True
+    )
+    single = layout_results(
+        MegatronPolicyWorker(config(str(folder), tp=1, pp=1)), fixed_batch(VOCAB)
+    )
+    out = tmp_path_factory.mktemp("moe_two_ranks")
+    launch(folder, out, MOE_LAYOUTS, nproc=2)
+    return folder, single, out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_layouts_match_one_rank(moe_layouts, layout):
+    """logprobs, top-k, reference logprobs, two GRPO steps' loss and grad norm, the weights after
+    them and their HF export: each two-rank layout of an MoE model gives the one-rank results."""
+    from test_parallel import VOCAB, _assert_matches
+
+    folder, single, out = moe_layouts
+    tp, pp, _ = MOE_LAYOUTS[layout]
+    got = torch.load(out / f"{layout}.pt", weights_only=False)
+    assert (got["dims"].tp, got["dims"].pp) == (tp, pp)
+    _assert_matches(got, single, folder, VOCAB, out / f"{layout}.hf", pp=pp)
+
+
+def test_layouts_an_moe_model_cannot_take_are_refused(tmp_path):
+    from policyworker.config import ParallelConfig
+    from policyworker.model.hf_config import check_layout
+
+    shape = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "mixtral")))
+    with pytest.raises(ValueError, match=r"sequence_parallel: expected true for an MoE model"):
+        check_layout(ParallelConfig(tensor_model_parallel_size=2), shape)
+    with pytest.raises(ValueError, match=r"expert_model_parallel_size: expected 1 \(expert par"):
+        check_layout(ParallelConfig(expert_model_parallel_size=2), shape)
+    check_layout(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), shape)

@@ -261,6 +261,11 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
         raise ValueError(f"{field('expert_model_parallel')}: expected 1 ({what}), got {ep}")
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
+    if shape.moe is not None and tp > 1 and not parallel.sequence_parallel:
+        raise ValueError(  # megatron-core refuses MoE with TP alone
+            "parallel.sequence_parallel: expected true for an MoE model with "
+            f"tensor_model_parallel_size={tp}"
+        )
     tp_split = {
         "num_attention_heads": shape.num_heads,
         "num_key_value_heads": shape.num_kv_heads,
