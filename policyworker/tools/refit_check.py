@@ -59,7 +59,8 @@ def _config(opts: CheckOptions, tp: int) -> Any:
         precision=opts.precision,
         max_total_sequence_length=64,
         refit=RefitConfig(timeout_s=opts.timeout_s, checksum=True),
-        parallel=ParallelConfig(tensor_model_parallel_size=tp),
+        # sequence parallel with TP: what an MoE model needs, and the same weights for any
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1),
     )
 
 
