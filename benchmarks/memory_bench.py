@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from train_bench import DEVICE, emit, free, random_model, sync
+from train_bench import DEVICE, emit, free, full_rows, random_model, sync
 
 GB = 1e9
 
@@ -75,7 +75,7 @@ def _rss() -> int:
 def trained_worker(layers: int, hidden: int, vocab: int):
     """A bf16 worker on a random model after one NLL step (so Adam state exists), with its batch:
     (worker, batch, model folder, parameter count)."""
-    from policyworker import BatchedDataDict, MegatronPolicyWorker, NLLLoss, PolicyConfig
+    from policyworker import MegatronPolicyWorker, NLLLoss, PolicyConfig
 
     folder, cfg, n_params = random_model(layers, hidden, vocab)
     b, s = 2, 512
@@ -90,12 +90,7 @@ def trained_worker(layers: int, hidden: int, vocab: int):
         ),
         init_reference_model=False,
     )
-    data = BatchedDataDict(
-        input_ids=torch.randint(0, cfg.vocab_size, (b, s)),
-        input_lengths=torch.full((b,), s),
-        token_mask=torch.ones(b, s),
-        sample_mask=torch.ones(b),
-    )
+    data = full_rows(torch.randint(0, cfg.vocab_size, (b, s)))
     worker.train(data, NLLLoss())
     free()
     return worker, data, folder, n_params

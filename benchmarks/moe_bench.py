@@ -23,11 +23,10 @@ attention (6 · L · s · h per token) against 790 TFLOP/s. Prints one JSON line
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 
 import torch
-from train_bench import DEVICE, PEAK_BF16_FLOPS, emit, free, timed
+from train_bench import DEVICE, PEAK_BF16_FLOPS, emit, free, full_rows, save_random, timed
 
 
 def moe_config(args: argparse.Namespace):
@@ -55,16 +54,7 @@ def moe_config(args: argparse.Namespace):
 def random_moe(args: argparse.Namespace) -> tuple[Path, object, int]:
     from transformers import Qwen3MoeForCausalLM
 
-    cfg = moe_config(args)
-    folder = Path(tempfile.mkdtemp(prefix="bench-moe-"))
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    n_params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(folder)
-    del model
-    free()
-    return folder, cfg, n_params
+    return save_random(Qwen3MoeForCausalLM, moe_config(args), "bench-moe-")
 
 
 def active_flops(cfg, tokens: int, seq: int) -> tuple[float, int]:
@@ -79,7 +69,6 @@ def active_flops(cfg, tokens: int, seq: int) -> tuple[float, int]:
 
 def bench_ours(folder: Path, ids: torch.Tensor, steps: int, grouped: bool) -> dict[str, float]:
     from policyworker.config import MoEConfig, PolicyConfig
-    from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.losses import NLLLoss
     from policyworker.worker import MegatronPolicyWorker
 
@@ -96,12 +85,7 @@ def bench_ours(folder: Path, ids: torch.Tensor, steps: int, grouped: bool) -> di
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     worker = MegatronPolicyWorker(cfg, init_reference_model=False)
-    data = BatchedDataDict(
-        input_ids=ids.cpu(),
-        input_lengths=torch.full((b,), s),
-        token_mask=torch.ones(b, s),
-        sample_mask=torch.ones(b),
-    )
+    data = full_rows(ids)
     out = {"train_s": timed(lambda: worker.train(data, NLLLoss()), steps)}
     if grouped:
         out["logprobs_s"] = timed(lambda: worker.get_logprobs(data=data), steps)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench import DEVICE, emit, free, hf_config, timed
+from train_bench import DEVICE, emit, free, full_rows, hf_config, timed
 
 
 def rl_batch(
@@ -152,12 +152,7 @@ def main() -> None:
     # No waste: equal 2048-token rows, budget / 2048 per micro-batch, about as many tokens.
     seq = 2048
     n_full = max(args.budget // seq, 1) * max(1, round(real_tokens / args.budget))
-    full = BatchedDataDict(
-        input_ids=torch.randint(0, args.vocab, (n_full, seq)),
-        input_lengths=torch.full((n_full,), seq),
-        token_mask=torch.ones(n_full, seq),
-        sample_mask=torch.ones(n_full),
-    )
+    full = full_rows(torch.randint(0, args.vocab, (n_full, seq)))
     use_plan(worker, FixedSize(), mbs=args.budget // seq, gbs=n_full)
     results["no_waste"] = run(worker, full, args.steps)
     tokens = {name: real_tokens for name in plans}

@@ -55,16 +55,34 @@ def random_model(layers: int, hidden: int, vocab: int) -> tuple[Path, object, in
     """A random bf16 Llama saved as a Hugging Face folder: (folder, config, parameter count)."""
     from transformers import LlamaForCausalLM
 
-    cfg = hf_config(layers, hidden, vocab)
-    folder = Path(tempfile.mkdtemp(prefix="bench-llama-"))
+    return save_random(LlamaForCausalLM, hf_config(layers, hidden, vocab), "bench-llama-")
+
+
+def save_random(model_cls: type, cfg: object, prefix: str) -> tuple[Path, object, int]:
+    """`model_cls(cfg)` with seed-0 random bf16 weights, saved to a temporary folder: (folder,
+    config, parameter count)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     torch.manual_seed(0)
     with torch.device(DEVICE):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = model_cls(cfg).to(torch.bfloat16)
     n_params = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder)
     del model
     free()
     return folder, cfg, n_params
+
+
+def full_rows(ids: torch.Tensor) -> object:
+    """The training batch of `ids` [B, S]: every row S tokens long, every token counted."""
+    from policyworker.data.batched_data_dict import BatchedDataDict
+
+    b, s = ids.shape
+    return BatchedDataDict(
+        input_ids=ids.cpu(),
+        input_lengths=torch.full((b,), s),
+        token_mask=torch.ones(b, s),
+        sample_mask=torch.ones(b),
+    )
 
 
 def emit(row: dict[str, object], out: str | None) -> None:
@@ -172,7 +190,6 @@ def by_call_site(prof: object, rows: int = 30) -> str:
 def bench_ours(
     worker_cls, cfg_cls, folder: Path, ids: torch.Tensor, steps: int, mbs: int, profile: str | None
 ) -> dict[str, float]:
-    from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.losses import NLLLoss
 
     b, s = ids.shape
@@ -185,12 +202,7 @@ def bench_ours(
         max_total_sequence_length=s,
     )
     worker = worker_cls(cfg, init_reference_model=False)
-    data = BatchedDataDict(
-        input_ids=ids.cpu(),
-        input_lengths=torch.full((b,), s),
-        token_mask=torch.ones(b, s),
-        sample_mask=torch.ones(b),
-    )
+    data = full_rows(ids)
     loss = NLLLoss()
     out = {
         "train_s": timed(lambda: worker.train(data, loss), steps),

@@ -111,16 +111,13 @@ def _worker_grads(worker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
 
 
 def _hf_rows(ref: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """transformers' gradient for an on-disk name (fused experts sliced per expert)."""
-    from policyworker.model.experts import fused_source
+    """transformers' gradient for an on-disk name (Mixtral's block renamed, fused experts sliced
+    per expert)."""
+    from policyworker.model.experts import transformers_view
 
-    in_memory = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's block, renamed
-    if in_memory in ref:
-        return ref[in_memory]
-    fused = fused_source(name)
-    assert fused is not None, name
-    rows = ref[fused.name][fused.expert]
-    return rows if fused.half is None else rows.chunk(2, dim=0)[fused.half]
+    rows = transformers_view(ref, name)
+    assert rows is not None, name
+    return rows
 
 
 def test_export_uses_per_expert_names_and_transformers_reloads_it(moe_dir, tmp_path):

@@ -108,6 +108,10 @@ class FusedSource:
     expert: int
     half: int | None
 
+    def select(self, rows: torch.Tensor) -> torch.Tensor:
+        """This tensor out of its expert's rows of the fused tensor (a view)."""
+        return rows if self.half is None else rows.chunk(2, dim=0)[self.half]
+
 
 def fused_source(name: str) -> FusedSource | None:
     """The fused tensor a per-expert HF name is part of (None: not an expert tensor)."""
@@ -117,15 +121,6 @@ def fused_source(name: str) -> FusedSource | None:
     half = _HALF[found["proj"]]
     fused = "gate_up_proj" if half is not None else "down_proj"
     return FusedSource(f"{found['layer']}.mlp.experts.{fused}", int(found["e"]), half)
-
-
-def per_expert_names(fused: str, num_experts: int, architecture: str) -> list[str]:
-    """The per-expert names a fused tensor stands for, in `architecture`'s naming."""
-    names = EXPERT_NAMES[architecture]
-    layer, kind = fused.rsplit(".mlp.experts.", 1)
-    projections = (names.gate, names.up) if kind == "gate_up_proj" else (names.down,)
-    block = f"{layer}.{names.block}.experts."
-    return [f"{block}{e}.{p}.weight" for e in range(num_experts) for p in projections]
 
 
 def transformers_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
@@ -138,5 +133,4 @@ def transformers_view(state: dict[str, torch.Tensor], name: str) -> torch.Tensor
     fused = fused_source(name)
     if fused is None or fused.name not in state:
         return None
-    rows = state[fused.name][fused.expert]
-    return rows if fused.half is None else rows.chunk(2, dim=0)[fused.half]
+    return fused.select(state[fused.name][fused.expert])

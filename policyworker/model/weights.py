@@ -119,8 +119,7 @@ class SafetensorsReader:
         if fused is None or fused.name not in self._files:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         with safe_open(self._files[fused.name], framework="pt") as f:
-            rows = f.get_slice(fused.name)[fused.expert]
-        return rows if fused.half is None else rows.chunk(2, dim=0)[fused.half]
+            return fused.select(f.get_slice(fused.name)[fused.expert])
 
 
 def load_hf_weights(
