@@ -91,7 +91,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
     hf_config = load_hf_config(config.model_name, require_weights=require_weights)
     shape = model_shape(hf_config)
     check_sliding_window(hf_config, config.max_total_sequence_length)
-    check_layout(config.parallel, shape)
+    check_layout(config.parallel, shape, config.moe)
     if hf_weights is not None:
         field = "model_name" if hf_weights == config.model_name else "weights_path"
         check_hf_folder(hf_weights, hf_config, shape, field=field)
@@ -132,8 +132,7 @@ def build_state(
             global_named_parameters(model),
             SafetensorsReader(hf_weights),
             w.shape,
-            tp_rank=w.groups.tp_rank,
-            tp_size=w.dims.tp,
+            w.groups,
         )
     ddp = optimizer = scheduler = None
     if init_optimizer:

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     check.add_argument("--transport", default="ipc", choices=["ipc", "collective", "reshard"])
     check.add_argument("--trainer-tp", type=int, default=1, help="trainer ranks (TP)")
     check.add_argument("--receiver-tp", type=int, default=1, help="destination ranks (reshard)")
+    for side in ("trainer", "receiver"):
+        check.add_argument(f"--{side}-ep", type=int, default=1, help=f"{side}'s expert parallel")
     check.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     check.add_argument("--buffer-size", type=int, default=0, help="bytes per buffer (0: auto)")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds, both sides")
@@ -104,6 +106,8 @@ def _refit_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             timeout_s=args.timeout,
             trainer_tp=args.trainer_tp,
             receiver_tp=args.receiver_tp,
+            trainer_ep=args.trainer_ep,
+            receiver_ep=args.receiver_ep,
         )
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

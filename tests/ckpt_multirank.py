@@ -1,7 +1,7 @@
 """Checkpoint runs for `test_checkpoint.py`, under torchrun (or in the test process, world 1).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_multirank.py \
-        save|resume MODEL CKPT OUT.pt TP PP [distopt]
+        save|resume MODEL CKPT OUT.pt TP PP [distopt] [ep]
 
 `save`: one GRPO step, a sync save (CKPT/sync) and an async save (CKPT/async) of the same state,
 three more steps while the async write goes on, then finalize. `resume`: a new worker built from
@@ -76,8 +76,8 @@ def run_resume(worker: MegatronPolicyWorker, ckpt: Path) -> dict[str, object]:
 
 def main() -> None:
     mode, model, ckpt, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-    tp, pp, distopt = int(sys.argv[5]), int(sys.argv[6]), "distopt" in sys.argv[7:]
-    cfg = config(model, tp=tp, pp=pp, distopt=distopt)
+    tp, pp, flags = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
+    cfg = config(model, tp=tp, pp=pp, distopt="distopt" in flags, ep=2 if "ep" in flags else 1)
     if mode == "save":
         result = run_save(MegatronPolicyWorker(cfg), ckpt)
     else:

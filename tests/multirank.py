@@ -2,7 +2,9 @@
 turn (megatron's groups are set up anew for each); rank 0 saves them.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUTDIR \
-        NAME:TP:PP[:flag,flag...] ...        (flags: pack, distopt, sp, cp, split)
+        NAME:TP:PP[:flag,flag...] ...
+        (flags: pack, distopt, sp, cp, split; ep: EP2, etp: expert TP = TP, allgather: that
+        token dispatcher)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them) to
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_batch
 
 from policyworker.config import (
+    MoEConfig,
     OptimizerConfig,
     ParallelConfig,
     PolicyConfig,
@@ -103,6 +106,9 @@ def config(
     distopt: bool = False,
     sp: bool = False,
     cp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    dispatcher: str = "alltoall",
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -119,9 +125,12 @@ def config(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             context_parallel_size=cp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
             sequence_parallel=sp,
         ),
         sequence_packing=packing,
+        moe=MoEConfig(moe_token_dispatcher_type=dispatcher),
     )
 
 
@@ -139,6 +148,9 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             distopt="distopt" in flags,
             sp="sp" in flags,
             cp=2 if "cp" in flags else 1,
+            ep=2 if "ep" in flags else 1,
+            etp=tp if "etp" in flags else 1,
+            dispatcher="allgather" if "allgather" in flags else "alltoall",
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

@@ -105,6 +105,8 @@ def test_the_mesh_follows_megatrons_rank_order():
         (3, {"tp": 2}, "num_workers"),
         (0, {}, "num_workers"),
         (4, {"cp": 0}, "context_parallel"),
+        (4, {"ep": 0}, "expert_model_parallel"),
+        (2, {"ep": 2, "etp": 2}, r"etp\*ep\*pp = 2\*2\*1 = 4 \(the experts' grid\)"),
     ],
 )
 def test_the_mesh_refuses_bad_sizes(world, sizes, field):

@@ -170,16 +170,28 @@ def test_training_lowers_the_loss_and_resumes_exactly(tmp_path):
     first = make_worker(folder, optimizer=opt)
     losses = [first.train(data, NLLLoss())["loss"]]
     first.save_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    saved = _expert_moments(first)
     losses += [first.train(data, NLLLoss())["loss"] for _ in range(3)]
     assert losses[-1] < losses[0]
     resumed = make_worker(folder, optimizer=opt)
     resumed.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    loaded = _expert_moments(resumed)
+    assert len(loaded) == len(saved) and any(m.abs().sum() > 0 for m in saved)
+    assert all(torch.equal(a, b) for a, b in zip(saved, loaded, strict=True))
     again = [resumed.train(data, NLLLoss())["loss"] for _ in range(3)]
     assert again == losses[1:]
     ours, theirs = _params(first), _params(resumed)
     assert all(torch.equal(ours[n], theirs[n]) for n in ours)
-    moments = [s["exp_avg"] for s in resumed.state.optimizer.optimizer.state.values()]
-    assert len(moments) == len(ours) and all(m.abs().sum() > 0 for m in moments[:3])
+
+
+def _expert_moments(worker) -> list[torch.Tensor]:
+    """Adam's moments of the routed experts (the optimizer's part of their own), in order."""
+    from policyworker.train.optimizer import optimizer_parts
+
+    _, experts = optimizer_parts(worker.state.optimizer)
+    state = experts.optimizer.state
+    return [state[p][k].clone() for g in experts.optimizer.param_groups for p in g["params"]
+            for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
 
 
 def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
@@ -195,12 +207,20 @@ def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.parametrize(
-    ("case", "transport", "trainer_tp", "receiver_tp"),
-    [("qwen3_moe", "ipc", 1, 1), ("mixtral", "collective", 1, 1), ("qwen2_moe", "reshard", 1, 2)],
+    ("case", "transport", "trainer", "receiver"),
+    [
+        ("qwen3_moe", "ipc", (1, 2), (1, 1)),
+        ("mixtral", "collective", (1, 2), (1, 1)),
+        ("qwen2_moe", "reshard", (1, 2), (2, 1)),
+        ("mixtral", "reshard", (2, 1), (1, 2)),
+    ],
 )
-def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer_tp, receiver_tp):
+def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer, receiver):
     """Every transport delivers per-expert weights bit for bit: into transformers' engine (whose
-    experts are fused in memory: written through views) and into destination workers."""
+    experts are fused in memory: written through views) and into destination workers; from an
+    expert-parallel trainer (each expert broadcast by the rank that holds it) and between EP
+    layouts (reshard: each expert's pieces from its EP rank to the destinations' EP rank).
+    `trainer` / `receiver`: (TP, EP)."""
     import json
 
     from policyworker.tools import refit_check as check
@@ -209,8 +229,10 @@ def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer_
     opts = check.CheckOptions(
         model=str(folder),
         transport=transport,
-        trainer_tp=trainer_tp,
-        receiver_tp=receiver_tp,
+        trainer_tp=trainer[0],
+        trainer_ep=trainer[1],
+        receiver_tp=receiver[0],
+        receiver_ep=receiver[1],
         refits=2,
     )
     assert check.main(opts) == 0
@@ -276,10 +298,14 @@ def test_router_dtype_keeps_logprobs_exact(tmp_path, router_dtype):
 
 
 def test_moe_options_are_checked():
-    from policyworker.config import MoEConfig
+    from policyworker.config import MoEConfig, ParallelConfig
 
     with pytest.raises(ValueError, match=r"moe\.moe_router_dtype"):
         MoEConfig(moe_router_dtype="bf16").validate()
+    with pytest.raises(ValueError, match=r"moe\.moe_token_dispatcher_type: expected alltoall or"):
+        MoEConfig(moe_token_dispatcher_type="flex").validate()
+    with pytest.raises(ValueError, match=r"parallel\.expert_tensor_parallel_size: expected an int"):
+        ParallelConfig(expert_tensor_parallel_size=0).validate()
 
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "mixtral"])
@@ -306,32 +332,8 @@ def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
         assert ((g - grads_s[name]).abs().max() / scale).item() <= 1e-6, name
 
 
-@pytest.mark.processes
-def test_megatron_moe_runs_expert_parallel_on_gloo(tmp_path):
-    """EP2 on two gloo ranks (the alltoall dispatcher's split sizes reach gloo as host numbers,
-    compat/cpu.py): logits equal transformers'. The worker itself refuses EP > 1 for now."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    folder = _model(tmp_path, "qwen3_moe")
-    script = Path(__file__).parent / "moe_ep_forward.py"
-    out = tmp_path / "diff.txt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, str(script), str(folder), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert float(out.read_text()) <= 1e-5
-
-
-MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; experts follow TP (megatron wants SP with it)
+MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; megatron wants SP with TP; experts whole
+    # (expert TP 1) unless "etp"
     "tp2-sequence-parallel": (2, 1, ("sp",)),
     "pp2": (1, 2, ()),
     "dp2": (1, 1, ()),
@@ -339,6 +341,12 @@ MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; experts follow TP (megatron wan
     "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
     "cp2-packed": (1, 1, ("cp", "pack")),
     "pp2-split-step": (1, 2, ("split",)),
+    "tp2-sequence-parallel-expert-tp2": (2, 1, ("sp", "etp")),
+    "ep2": (1, 1, ("ep",)),
+    "ep2-packed-distributed-optimizer": (1, 1, ("ep", "pack", "distopt")),
+    "tp2-sequence-parallel-allgather-dispatcher": (2, 1, ("sp", "allgather")),
+    "ep2-cp2-packed": (1, 1, ("ep", "cp", "pack")),
+    "ep2-split-step": (1, 1, ("ep", "split")),
 }
 
 
@@ -367,22 +375,97 @@ def moe_layouts(tmp_path_factory):
 def test_moe_layouts_match_one_rank(moe_layouts, layout):
     """logprobs, top-k, reference logprobs, two GRPO steps' loss and grad norm, the weights after
     them and their HF export: each two-rank layout of an MoE model gives the one-rank results."""
+    _assert_layout_matches(moe_layouts, MOE_LAYOUTS, layout)
+
+
+MOE_FOUR_RANKS = {  # expert parallel beside TP, DP and PP
+    "ep2-tp2-sequence-parallel": (2, 1, ("sp", "ep")),
+    "ep2-expert-tp2-tp2-sequence-parallel": (2, 1, ("sp", "ep", "etp")),
+    "ep2-dp4": (1, 1, ("ep",)),
+    "ep2-pp2-packed": (1, 2, ("ep", "pack")),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_four_ranks(moe_layouts, tmp_path_factory):
+    from test_parallel import launch
+
+    folder, single, _ = moe_layouts
+    out = tmp_path_factory.mktemp("moe_four_ranks")
+    launch(folder, out, MOE_FOUR_RANKS, nproc=4)
+    return folder, single, out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("layout", MOE_FOUR_RANKS)
+def test_moe_expert_parallel_layouts_on_four_ranks_match_one_rank(moe_four_ranks, layout):
+    """The same results with EP2 beside TP2 (experts whole, or split over expert TP), within
+    four data-parallel ranks (two copies of each expert) and with two pipeline stages."""
+    _assert_layout_matches(moe_four_ranks, MOE_FOUR_RANKS, layout)
+
+
+def _assert_layout_matches(results, layouts, layout) -> None:
     from test_parallel import VOCAB, _assert_matches
 
-    folder, single, out = moe_layouts
-    tp, pp, _ = MOE_LAYOUTS[layout]
+    folder, single, out = results
+    tp, pp, _ = layouts[layout]
     got = torch.load(out / f"{layout}.pt", weights_only=False)
     assert (got["dims"].tp, got["dims"].pp) == (tp, pp)
     _assert_matches(got, single, folder, VOCAB, out / f"{layout}.hf", pp=pp)
 
 
 def test_layouts_an_moe_model_cannot_take_are_refused(tmp_path):
-    from policyworker.config import ParallelConfig
+    from policyworker.config import MoEConfig, ParallelConfig
     from policyworker.model.hf_config import check_layout
 
     shape = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "mixtral")))
-    with pytest.raises(ValueError, match=r"sequence_parallel: expected true for an MoE model"):
-        check_layout(ParallelConfig(tensor_model_parallel_size=2), shape)
-    with pytest.raises(ValueError, match=r"expert_model_parallel_size: expected 1 \(expert par"):
-        check_layout(ParallelConfig(expert_model_parallel_size=2), shape)
+    dense = model_shape(transformers.AutoConfig.from_pretrained(make_hf_model(tmp_path / "d")))
+    refused = [
+        (ParallelConfig(tensor_model_parallel_size=2), shape, None,
+         r"sequence_parallel: expected true for an MoE model"),
+        (ParallelConfig(expert_model_parallel_size=3), shape, None,
+         r"expert_model_parallel_size: expected a divisor of num_experts=8, got 3"),
+        (ParallelConfig(expert_tensor_parallel_size=5), shape, None,
+         r"expert_tensor_parallel_size: expected a divisor of the experts' intermediate"),
+        (ParallelConfig(expert_model_parallel_size=2), shape,
+         MoEConfig(moe_token_dispatcher_type="allgather"),
+         r"moe_token_dispatcher_type: expected alltoall with .*expert_model_parallel_size=2"),
+        (ParallelConfig(expert_model_parallel_size=2), dense, None,
+         r"expert_model_parallel_size: expected 1 \(a dense model\), got 2"),
+    ]  # fmt: skip
+    for parallel, model, moe, match in refused:
+        with pytest.raises(ValueError, match=match):
+            check_layout(parallel, model, moe)
     check_layout(ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), shape)
+    check_layout(ParallelConfig(expert_model_parallel_size=8, expert_tensor_parallel_size=2), shape)
+
+
+@pytest.mark.processes
+def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_path):
+    """EP2 (each rank four of the eight experts, their Adam state its own): save, and a fresh
+    EP2 run resumes bit for bit; one rank (EP1) loads the same checkpoint and continues within
+    1e-5; an EP1 checkpoint loads into EP2 the same way."""
+    from ckpt_multirank import paths, run_resume, run_save
+    from multirank import config
+    from test_checkpoint import _assert_bitwise, _assert_close, torchrun
+
+    from policyworker.worker import MegatronPolicyWorker
+
+    folder = make_hf_model(tmp_path / "m", "qwen3_moe", vocab_size=101)
+    ckpt, one = tmp_path / "ckpt", tmp_path / "one"
+    torchrun("save", folder, ckpt, tmp_path / "save.pt", 1, 1, "ep")
+    torchrun("resume", folder, ckpt, tmp_path / "resume.pt", 1, 1, "ep")
+    saved = torch.load(tmp_path / "save.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
+    _assert_bitwise(saved, resumed)
+    _assert_bitwise(saved, {"lp_at_save": resumed["lp_at_save"], **resumed["async"]})
+
+    weights, optim = paths(ckpt, "sync")
+    cfg = config(str(folder), tp=1, pp=1)
+    single = MegatronPolicyWorker(cfg, weights_path=str(weights), optimizer_path=str(optim))
+    _assert_close(saved, run_resume(single, ckpt))
+    single.shutdown()
+
+    saved_one = run_save(MegatronPolicyWorker(cfg), one)
+    torchrun("resume", folder, one, tmp_path / "from_one.pt", 1, 1, "ep")
+    _assert_close(saved_one, torch.load(tmp_path / "from_one.pt", weights_only=False))

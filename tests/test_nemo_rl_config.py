@@ -81,6 +81,9 @@ def test_a_policy_section_of_supported_keys_loads_without_a_word(tmp_path, caplo
         "megatron_cfg": {
             "enabled": True,
             "context_parallel_size": 2,
+            "expert_model_parallel_size": 4,
+            "expert_tensor_parallel_size": 2,
+            "moe_token_dispatcher_type": "allgather",
             "optimizer": {"lr": 3e-6, "adam_beta2": 0.95, "clip_grad": "${policy.max_grad_norm}"},
             "peft": {"enabled": False, "dim": 8},
         },
@@ -91,6 +94,11 @@ def test_a_policy_section_of_supported_keys_loads_without_a_word(tmp_path, caplo
         cfg = load_config(path)
     assert not caplog.text
     assert cfg.parallel.context_parallel_size == 2 and cfg.optimizer.betas == (0.9, 0.95)
+    assert (cfg.parallel.expert_model_parallel_size, cfg.parallel.expert_tensor_parallel_size) == (
+        4,
+        2,
+    )
+    assert cfg.moe.moe_token_dispatcher_type == "allgather"
 
 
 @pytest.mark.parametrize(

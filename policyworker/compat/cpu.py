@@ -13,7 +13,9 @@ megatron-core assumes CUDA in a few places that our code paths reach:
 * `torch.cuda` calls in dist-checkpointing's writer (a sync after staging, a flag tensor);
 * mixture of experts: the router moves its weight to `torch.cuda.current_device()`, the alltoall
   dispatcher makes a `torch.cuda.Stream()` when built, and its `maybe_move_tensor_to_cpu` only
-  turns CUDA tensors into host split sizes (gloo's alltoall then gets tensors: `_host_split_sizes`).
+  turns CUDA tensors into host split sizes (gloo's alltoall then gets tensors: `_host_split_sizes`);
+  with expert TP under EP its tokens are all-gathered and reduce-scattered in uneven shares, which
+  gloo refuses (`_uneven_gather`, `_uneven_reduce_scatter`).
 
 (megatron's grad clipping is not reached: `train.optimizer.optimizer_step` clips.)
 
@@ -31,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 SUPPORTED_MCORE_PREFIX = "0.19."
 
@@ -268,6 +271,11 @@ def apply_cpu_patches() -> bool:
     )
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes(dispatcher.maybe_move_tensor_to_cpu)
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    mappings._gather_along_first_dim = _uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _uneven_reduce_scatter(
+        mappings._reduce_scatter_along_first_dim
+    )
     _active = True
     return True
 
@@ -282,3 +290,45 @@ def _host_split_sizes(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     return to_host
+
+
+def _uneven_gather(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's all-gather along dim 0; with uneven `output_split_sizes` (gloo's all_gather
+    wants equal shapes) every rank's rows are padded to the most, gathered, and cut back."""
+
+    def gather(
+        input_: torch.Tensor,
+        group: Any,
+        output_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        most, rest = max(output_split_sizes), input_.shape[1:]
+        padded = input_.new_zeros((most, *rest))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * group.size(), *rest))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * most : i * most + n] for i, n in enumerate(output_split_sizes)])
+
+    return gather
+
+
+def _uneven_reduce_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """megatron's reduce-scatter along dim 0; with uneven `input_split_sizes` (gloo has no such
+    reduce_scatter) the whole input is all-reduced and this rank keeps its share."""
+
+    def reduce_scatter(
+        input_: torch.Tensor,
+        group: Any,
+        input_split_sizes: list[int] | None = None,
+        use_global_buffer: bool = False,
+    ) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        whole = input_.contiguous().clone()
+        dist.all_reduce(whole, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return whole[start : start + input_split_sizes[group.rank()]].clone()
+
+    return reduce_scatter

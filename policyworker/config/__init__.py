@@ -113,7 +113,11 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """Context parallel (CP) size."""
     expert_model_parallel_size: int = 1
-    """Expert parallel (EP) size (MoE models)."""
+    """Expert parallel (EP) size (MoE models): each EP rank holds num_experts / EP experts, and
+    tokens travel to their experts' ranks. EP x ETP x PP must divide the world."""
+    expert_tensor_parallel_size: int = 1
+    """Expert tensor parallel (ETP) size: each expert's ffn split over this many ranks (1, as in
+    the reference's recipes: whole experts; megatron's default would be the TP size)."""
     sequence_parallel: bool = False
     """Split norms, residuals and dropout along the sequence over the TP group (needs TP > 1);
     micro-batch lengths are padded to a multiple of TP."""
@@ -138,12 +142,19 @@ class MoEConfig:
     moe_grouped_gemm: bool = True
     """Experts computed with one grouped GEMM per projection (`model/grouped_experts.py`);
     False: megatron's SequentialMLP, a GEMM pair per expert in a loop. The same parameters."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach their experts' EP ranks: all-to-all of each token to its experts, or
+    all-gather of every token to every EP rank (no pipeline parallelism: megatron's allgather
+    dispatcher needs fixed sequence lengths)."""
 
     def validate(self, prefix: str = "moe") -> None:
         _check(isinstance(self.freeze_moe_router, bool), f"{prefix}.freeze_moe_router",
                "true or false", self.freeze_moe_router)  # fmt: skip
         _check(isinstance(self.moe_grouped_gemm, bool), f"{prefix}.moe_grouped_gemm",
                "true or false", self.moe_grouped_gemm)  # fmt: skip
+        _check(self.moe_token_dispatcher_type in ("alltoall", "allgather"),
+               f"{prefix}.moe_token_dispatcher_type", "alltoall or allgather",
+               self.moe_token_dispatcher_type)  # fmt: skip
         dtypes = (None, "fp32", "fp64")
         _check(self.moe_router_dtype in dtypes, f"{prefix}.moe_router_dtype",
                "fp32, fp64 or null", self.moe_router_dtype)  # fmt: skip

@@ -133,6 +133,7 @@ class Policy:
             pp=p.pipeline_model_parallel_size,
             cp=p.context_parallel_size,
             ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size,
             sp=p.sequence_parallel,
             world_field="num_workers",
         )
@@ -140,7 +141,7 @@ class Policy:
         self.shape = model_shape(
             load_hf_config(config.model_name, require_weights=weights_path is None)
         )
-        check_layout(p, self.shape)
+        check_layout(p, self.shape, config.moe)
         gpus = torch.cuda.device_count()
         if backend == "local" and gpus and gpus < num_workers:
             raise ValueError(

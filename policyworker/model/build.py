@@ -26,6 +26,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -52,7 +53,7 @@ def transformer_config(
     dims: ParallelDims,
     params_dtype: torch.dtype,
     on_gpu: bool,
-    router_dtype: str | None = None,
+    moe: MoEConfig | None = None,
 ) -> TransformerConfig:
     """megatron's TransformerConfig for `shape`; fusions that need apex/TE are off."""
     bf16 = params_dtype == torch.bfloat16
@@ -79,10 +80,10 @@ def transformer_config(
         pipeline_model_parallel_size=dims.pp,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
         sequence_parallel=dims.sp,
         # Micro-batches are trimmed to their longest sequence: stages exchange shapes first.
         variable_seq_lengths=dims.pp > 1,
-        moe_token_dispatcher_type="alltoall",  # dense model; "allgather" refuses variable lengths
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # weights always come from the HF checkpoint
         bias_activation_fusion=on_gpu,
@@ -93,16 +94,19 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         # Loss is already normalized by global token counts: DDP must sum, not average.
         calculate_per_token_loss=True,
-        **({} if shape.moe is None else moe_fields(shape.moe, router_dtype=router_dtype)),
+        **moe_fields(shape.moe, moe or MoEConfig()),
     )
 
 
-def moe_fields(moe: MoEShape, *, router_dtype: str | None) -> dict[str, Any]:
+def moe_fields(moe: MoEShape | None, cfg: MoEConfig) -> dict[str, Any]:
     """TransformerConfig's expert settings for HF's routing: softmax over the experts, the top k;
     renormalized over those k (`normalize_top_k`: megatron then softmaxes the k logits alone, the
-    same numbers) or not (softmax over all, then the top k). `router_dtype`: "fp32" / "fp64"."""
+    same numbers) or not (softmax over all, then the top k). None for a dense model."""
+    if moe is None:
+        return {"moe_token_dispatcher_type": "alltoall"}  # "allgather" refuses variable lengths
     return dict(
-        moe_router_dtype=router_dtype,
+        moe_router_dtype=cfg.moe_router_dtype,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.expert_ffn_size,
@@ -113,6 +117,9 @@ def moe_fields(moe: MoEShape, *, router_dtype: str | None) -> dict[str, Any]:
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_size or None,
         moe_shared_expert_gate=moe.shared_expert_ffn_size > 0,
         moe_grouped_gemm=False,
+        # Dense layers among MoE ones (our layer specs say which): checkpoints then key each
+        # layer on its own instead of stacking unlike layers.
+        moe_layer_freq=1 if all(moe.layers) else [int(x) for x in moe.layers],
     )
 
 
@@ -185,7 +192,7 @@ def build_gpt_model(
         dims=dims,
         params_dtype=params_dtype,
         on_gpu=on_gpu,
-        router_dtype=moe.moe_router_dtype,
+        moe=moe,
     )
     # This pipeline stage's share of the layers, as megatron splits them.
     first, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
@@ -212,31 +219,46 @@ def build_gpt_model(
     for module in model.modules():
         if isinstance(module, SDPACoreAttention):
             module.set_rope(inv_freq)
-    if moe.freeze_moe_router:  # before DDP and the optimizer see the parameters
-        for name, param in model.named_parameters():
-            if name.endswith(".mlp.router.weight"):
-                param.requires_grad_(False)
+    for name, param in model.named_parameters():  # before DDP and the optimizer see them
+        if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):
+            param.requires_grad_(False)
+        if ".mlp.experts." in name:
+            # Routed experts are expert-parallel parameters in every layout (megatron marks them
+            # so only with EP > 1 or expert TP != TP): their gradients sum over the expert
+            # data-parallel group (the data-parallel group itself when EP = 1 and ETP = TP: the
+            # same sum) and the optimizer keeps them in a part of their own, so that checkpoints
+            # of any EP layout have the same structure and load into each other.
+            param.allreduce = False
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model
 
 
 def global_named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
-    """`named_parameters()` with this pipeline stage's layer indices made global.
+    """`named_parameters()` with this rank's layer and expert indices made global.
 
-    Stage k numbers its layers from 0; the HF mapping names the model's layers 0..L-1.
+    Pipeline stage k numbers its layers from 0, and expert-parallel rank r its experts; the HF
+    mapping names the model's layers 0..L-1 and each layer's experts 0..E-1.
     """
-    offsets = {
-        f"decoder.layers.{i}.": f"decoder.layers.{layer.layer_number - 1}."
-        for i, layer in enumerate(model.decoder.layers)
-    }
+    renames = {}  # local prefix -> global prefix
+    for i, layer in enumerate(model.decoder.layers):
+        local, number = f"decoder.layers.{i}.", layer.layer_number - 1
+        renames[local] = f"decoder.layers.{number}."
+        if isinstance(layer.mlp, MoELayer):
+            for j, e in enumerate(layer.mlp.local_expert_indices):
+                renames[f"{local}{_EXPERTS}{j}."] = f"decoder.layers.{number}.{_EXPERTS}{e}."
     out = {}
     for name, param in model.named_parameters():
         if name.startswith("decoder.layers."):
-            local = ".".join(name.split(".", 3)[:3]) + "."
-            name = offsets[local] + name[len(local) :]
+            parts = name.split(".")  # decoder.layers.{i}[.mlp.experts.local_experts.{j}]...
+            depth = 7 if ".".join(parts[3:6]) + "." == _EXPERTS else 3
+            local = ".".join(parts[:depth]) + "."
+            name = renames[local] + name[len(local) :]
         out[name] = param
     return out
+
+
+_EXPERTS = "mlp.experts.local_experts."
 
 
 def batch_major_logits(

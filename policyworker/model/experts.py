@@ -21,6 +21,7 @@ import torch
 
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import Copy, GateUp, Mapping
+from policyworker.parallel.dims import Groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,44 @@ def expert_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
             out[f"{hf}{names.gate}.weight"] = out[f"{hf}{names.up}.weight"] = (ffn, hidden)
             out[f"{hf}{names.down}.weight"] = (hidden, ffn)
     return out
+
+
+_ROUTED = re.compile(r"^(?P<layer>decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(?P<e>\d+)\.")
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertSplit:
+    """Where a layer's routed experts live: expert parallel rank r holds experts
+    [r * local, (r + 1) * local), each split along its ffn over the expert-TP group."""
+
+    ep_rank: int
+    ep_size: int
+    local: int
+    """Experts per EP rank."""
+
+    @classmethod
+    def of(cls, shape: ModelShape, groups: Groups | None) -> ExpertSplit:
+        if groups is None or shape.moe is None:
+            return cls(ep_rank=0, ep_size=1, local=shape.moe.num_experts if shape.moe else 0)
+        return cls(groups.ep_rank, groups.ep_size, shape.moe.num_experts // groups.ep_size)
+
+    def expert(self, mcore: str) -> int | None:
+        """The routed expert megatron parameter `mcore` (global name) belongs to; None: none."""
+        found = _ROUTED.match(mcore)
+        return None if found is None else int(found["e"])
+
+    def owner(self, mcore: str) -> int | None:
+        """The EP rank holding routed-expert parameter `mcore`; None: not a routed expert's."""
+        expert = self.expert(mcore)
+        return None if expert is None else expert // self.local
+
+    def stand_in(self, mcore: str) -> str:
+        """This rank's expert in the same slot as routed-expert parameter `mcore`: the same
+        shape and dtype, for receiving another rank's expert."""
+        found = _ROUTED.match(mcore)
+        assert found is not None, mcore
+        e = self.ep_rank * self.local + int(found["e"]) % self.local
+        return f"{found['layer']}{e}.{mcore[found.end() :]}"
 
 
 _PER_EXPERT = re.compile(

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from policyworker.config import ParallelConfig
+from policyworker.config import MoEConfig, ParallelConfig
 from policyworker.ops.packed import round_up
 
 
@@ -247,18 +247,15 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(medium, smoothed, scaled)
 
 
-def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
+def check_layout(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig | None = None) -> None:
     """Refuse a layout this model cannot be split into, naming the config field.
 
     TP splits the heads, query groups and ffn (the vocabulary is padded to a multiple of TP);
-    PP the layers.
+    PP the layers; EP the experts and ETP each expert's ffn.
     """
     field = "parallel.{}_size".format
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    ep = parallel.expert_model_parallel_size
-    if ep != 1:
-        what = "dense models" if shape.moe is None else "expert parallelism is not supported yet"
-        raise ValueError(f"{field('expert_model_parallel')}: expected 1 ({what}), got {ep}")
+    _check_experts(parallel, shape, moe or MoEConfig())
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
     if shape.moe is not None and tp > 1 and not parallel.sequence_parallel:
@@ -284,3 +281,33 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape) -> None:
             f"{field('pipeline_model_parallel')}: expected a divisor of "
             f"num_layers={shape.num_layers}, got {pp}"
         )
+
+
+def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) -> None:
+    field = "parallel.{}_size".format
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
+    if shape.moe is None:
+        for name, size in (("expert_model_parallel", ep), ("expert_tensor_parallel", etp)):
+            if size != 1:
+                raise ValueError(f"{field(name)}: expected 1 (a dense model), got {size}")
+        return
+    if shape.moe.num_experts % ep:
+        raise ValueError(
+            f"{field('expert_model_parallel')}: expected a divisor of "
+            f"num_experts={shape.moe.num_experts}, got {ep}"
+        )
+    if shape.moe.expert_ffn_size % etp:
+        raise ValueError(
+            f"{field('expert_tensor_parallel')}: expected a divisor of the experts' "
+            f"intermediate size {shape.moe.expert_ffn_size}, got {etp}"
+        )
+    if moe.moe_token_dispatcher_type == "allgather":
+        # It all-gathers equal shares of tokens; micro-batches are trimmed to their own longest
+        # row, so pipeline stages and EP ranks (other data) see different lengths.
+        for name, size in (("pipeline_model_parallel", parallel.pipeline_model_parallel_size),
+                           ("expert_model_parallel", ep)):  # fmt: skip
+            if size > 1:
+                raise ValueError(
+                    f"moe.moe_token_dispatcher_type: expected alltoall with {field(name)}="
+                    f"{size}, got allgather"
+                )

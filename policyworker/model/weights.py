@@ -18,9 +18,10 @@ import torch.distributed as dist
 import transformers
 from safetensors import safe_open
 
-from policyworker.model.experts import expert_shapes, fused_source, moe_mappings
+from policyworker.model.experts import ExpertSplit, expert_shapes, fused_source, moe_mappings
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import QKV, Copy, GateUp, Mapping, VocabRows
+from policyworker.parallel.dims import Groups
 
 __all__ = ["QKV", "Copy", "GateUp", "Mapping", "VocabRows", "mappings"]
 
@@ -126,26 +127,26 @@ def load_hf_weights(
     params: dict[str, torch.nn.Parameter],
     reader: SafetensorsReader,
     shape: ModelShape,
-    *,
-    tp_rank: int,
-    tp_size: int,
+    groups: Groups | None = None,
 ) -> None:
-    """Copy HF tensors into this rank's megatron parameters (`named_parameters` of a GPTModel).
+    """Copy HF tensors into this rank's megatron parameters (`global_named_parameters`).
 
-    Parameters absent from `params` (other pipeline stages) are skipped; a megatron parameter
-    with no mapping, or a shape mismatch, is an error.
+    Parameters absent from `params` (other pipeline stages, other EP ranks' experts) are
+    skipped; a megatron parameter with no mapping, or a shape mismatch, is an error.
     """
-    table = {m.mcore: m for m in mappings(shape, tp_size)}
+    tp = 1 if groups is None else dist.get_world_size(groups.tp)
+    table = {m.mcore: m for m in mappings(shape, tp)}
     if shape.tie_word_embeddings:
-        tied = _tied_output(shape, tp_size)
+        tied = _tied_output(shape, tp)
         table[tied.mcore] = tied
     unmapped = sorted(set(params) - set(table))
     if unmapped:
         raise KeyError(f"no HF mapping for megatron parameters: {unmapped[:5]}")
+    split = ExpertSplit.of(shape, groups)
     for name, param in params.items():
         m = table[name]
         full = m.to_mcore([reader.get(n) for n in m.hf], shape)
-        local = m.shard(full, tp_rank, tp_size)
+        local = m.shard(full, *_shard_place(m, split, groups))
         if local.shape != param.shape:
             raise ValueError(
                 f"{name}: checkpoint gives {tuple(local.shape)}, model has {tuple(param.shape)}"
@@ -154,24 +155,67 @@ def load_hf_weights(
             param.copy_(local.to(param.dtype))
 
 
+def _shard_place(m: Mapping, split: ExpertSplit, groups: Groups | None) -> tuple[int, int]:
+    """(rank, size) of this rank's shard of `m` along its TP dim: routed experts are split over
+    the expert-TP group, everything else over TP."""
+    if groups is None:
+        return 0, 1
+    if split.owner(m.mcore) is not None:
+        return groups.etp_rank, groups.etp_size
+    return groups.tp_rank, dist.get_world_size(groups.tp)
+
+
+def _held(m: Mapping, params: dict[str, torch.Tensor], split: ExpertSplit) -> str | None:
+    """The parameter of this rank that stands for `m`: its own, or for another EP rank's expert
+    this rank's expert of the same slot (same shape); None: another pipeline stage's."""
+    name = m.mcore if split.owner(m.mcore) is None else split.stand_in(m.mcore)
+    return name if name in params else None
+
+
+def full_meta(
+    m: Mapping, params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups | None
+) -> torch.Tensor | None:
+    """A meta tensor of `m`'s whole megatron tensor (shards and experts gathered); None: it is
+    another pipeline stage's."""
+    split = ExpertSplit.of(shape, groups)
+    held = _held(m, params, split)
+    if held is None:
+        return None
+    full = list(params[held].shape)
+    if m.tp_dim is not None:
+        full[m.tp_dim] *= _shard_place(m, split, groups)[1]
+    return torch.empty(full, dtype=params[held].dtype, device="meta")
+
+
 def export_hf_weights(
     params: dict[str, torch.Tensor],
     shape: ModelShape,
-    *,
-    tp_group: dist.ProcessGroup | None = None,
+    groups: Groups | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for the megatron parameters given (one pipeline stage's), full size.
 
-    TP shards are all-gathered over `tp_group`: every rank of the group must iterate in step.
+    TP shards are all-gathered over TP (an expert's over expert TP), and each routed expert is
+    broadcast by its EP rank, one at a time: every rank of the stage must iterate in step.
     """
-    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    tp = 1 if groups is None else dist.get_world_size(groups.tp)
+    split = ExpertSplit.of(shape, groups)
     for m in mappings(shape, tp):
-        if m.mcore not in params:
+        held = _held(m, params, split)
+        if held is None:
             continue
-        tensor = params[m.mcore].detach()
-        if tp > 1 and m.tp_dim is not None:
-            shards = [torch.empty_like(tensor) for _ in range(tp)]
-            dist.all_gather(shards, tensor.contiguous(), group=tp_group)
+        tensor = params[held].detach()
+        owner = split.owner(m.mcore)
+        if owner is not None and split.ep_size > 1:
+            assert groups is not None
+            if owner != split.ep_rank:
+                tensor = torch.empty_like(tensor)
+            dist.broadcast(tensor, src=dist.get_global_rank(groups.ep, owner), group=groups.ep)
+        rank_size = _shard_place(m, split, groups)
+        if m.tp_dim is not None and rank_size[1] > 1:
+            assert groups is not None
+            group = groups.tp if owner is None else groups.etp
+            shards = [torch.empty_like(tensor) for _ in range(rank_size[1])]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
             tensor = m.unshard(shards)
         yield from zip(m.hf, m.to_hf(tensor, shape), strict=True)
 

@@ -29,13 +29,16 @@ _FIELDS = {
     "pp": "pipeline_model_parallel_size",
     "cp": "context_parallel_size",
     "ep": "expert_model_parallel_size",
+    "etp": "expert_tensor_parallel_size",
 }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParallelDims:
     """Sizes of each parallel axis, and the world's ranks as the mesh `[pp, dp, cp, tp]`.
-    `dp` is derived: world / (tp * pp * cp).
+    `dp` is derived: world / (tp * pp * cp). The experts of an MoE layer lie on a grid of their
+    own over the same ranks (megatron's): `ep` ranks hold different experts, each split over
+    `etp` ranks; etp * ep * pp divides the world.
 
         dims = ParallelDims.from_world(world_size=8, tp=2, pp=2, cp=1, ep=1)
         dims.coords(5)                  # {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
@@ -48,6 +51,7 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    etp: int = 1
     dp: int = 1
     sp: bool = False
     """Sequence parallelism: activations outside attention and MLP split along the sequence over
@@ -62,11 +66,12 @@ class ParallelDims:
         pp: int,
         cp: int,
         ep: int = 1,
+        etp: int = 1,
         sp: bool = False,
         world_field: str = "WORLD_SIZE",
     ) -> ParallelDims:
         """The layout of `world_size` ranks (`world_field` names where that number came from)."""
-        for axis, size in {"tp": tp, "pp": pp, "cp": cp, "ep": ep}.items():
+        for axis, size in {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp}.items():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"parallel.{_FIELDS[axis]}: expected an int >= 1, got {size!r}")
         model_parallel = tp * pp * cp
@@ -75,7 +80,12 @@ class ParallelDims:
                 f"world size {world_size} ({world_field}): expected a multiple of tp*pp*cp = "
                 f"{tp}*{pp}*{cp} = {model_parallel}"
             )
-        return cls(tp=tp, pp=pp, cp=cp, ep=ep, dp=world_size // model_parallel, sp=sp)
+        if world_size % (etp * ep * pp):
+            raise ValueError(
+                f"world size {world_size} ({world_field}): expected a multiple of etp*ep*pp = "
+                f"{etp}*{ep}*{pp} = {etp * ep * pp} (the experts' grid)"
+            )
+        return cls(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, dp=world_size // model_parallel, sp=sp)
 
     @property
     def world_size(self) -> int:
@@ -175,6 +185,7 @@ def init_model_parallel(dims: ParallelDims) -> None:
             pp=parallel_state.get_pipeline_model_parallel_world_size(),
             cp=parallel_state.get_context_parallel_world_size(),
             ep=parallel_state.get_expert_model_parallel_world_size(),
+            etp=parallel_state.get_expert_tensor_parallel_world_size(),
             dp=parallel_state.get_data_parallel_world_size(),
             sp=dims.sp,  # a mode of the TP group, not a process group of its own
         )
@@ -186,6 +197,7 @@ def init_model_parallel(dims: ParallelDims) -> None:
         pipeline_model_parallel_size=dims.pp,
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
+        expert_tensor_parallel_size=dims.etp,
     )
 
 
@@ -199,12 +211,22 @@ class Groups:
     cp: dist.ProcessGroup
     mp: dist.ProcessGroup
     pp: dist.ProcessGroup
+    ep: dist.ProcessGroup
+    """Expert parallel: ranks holding different experts of the same layers."""
+    etp: dist.ProcessGroup
+    """Expert tensor parallel: ranks holding parts of the same experts."""
     tp_rank: int
     dp_rank: int
     cp_rank: int
     cp_size: int
     pp_rank: int
     pp_size: int
+    ep_rank: int
+    ep_size: int
+    etp_rank: int
+    etp_size: int
+    expert_dp_rank: int
+    """Rank among the ranks holding the same experts (expert data parallel)."""
     pp_last_rank: int
     """Global rank of this pipeline's last stage: the one that holds logits and losses."""
     is_first_stage: bool
@@ -226,12 +248,19 @@ class Groups:
             cp=ps.get_context_parallel_group(),
             mp=ps.get_model_parallel_group(),
             pp=ps.get_pipeline_model_parallel_group(),
+            ep=ps.get_expert_model_parallel_group(),
+            etp=ps.get_expert_tensor_parallel_group(),
             tp_rank=ps.get_tensor_model_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
             cp_rank=ps.get_context_parallel_rank(),
             cp_size=ps.get_context_parallel_world_size(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp_size=ps.get_pipeline_model_parallel_world_size(),
+            ep_rank=ps.get_expert_model_parallel_rank(),
+            ep_size=ps.get_expert_model_parallel_world_size(),
+            etp_rank=ps.get_expert_tensor_parallel_rank(),
+            etp_size=ps.get_expert_tensor_parallel_world_size(),
+            expert_dp_rank=ps.get_expert_data_parallel_rank(),
             pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
             is_first_stage=ps.is_pipeline_first_stage(),
             is_last_stage=ps.is_pipeline_last_stage(),
@@ -271,6 +300,7 @@ def setup_parallel(parallel: ParallelConfig) -> tuple[ParallelDims, Groups]:
         pp=parallel.pipeline_model_parallel_size,
         cp=parallel.context_parallel_size,
         ep=parallel.expert_model_parallel_size,
+        etp=parallel.expert_tensor_parallel_size,
         sp=parallel.sequence_parallel,
     )
     init_model_parallel(dims)

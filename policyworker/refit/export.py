@@ -15,24 +15,20 @@ import torch
 import torch.distributed as dist
 
 from policyworker.model.hf_config import ModelShape
-from policyworker.model.weights import export_hf_weights, mappings
+from policyworker.model.weights import export_hf_weights, full_meta, mappings
 from policyworker.parallel.dims import Groups
 from policyworker.refit.layout import RefitInfo
 
 
 def stage_info(
-    params: dict[str, torch.Tensor], shape: ModelShape, tp: int
+    params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(hf_name, shape, dtype) of this stage's exported tensors, computed on meta tensors."""
     out = []
-    for m in mappings(shape, tp):
-        if m.mcore not in params:
+    for m in mappings(shape, dist.get_world_size(groups.tp)):
+        meta = full_meta(m, params, shape, groups)
+        if meta is None:
             continue
-        p = params[m.mcore]
-        full = list(p.shape)
-        if m.tp_dim is not None:
-            full[m.tp_dim] *= tp
-        meta = torch.empty(full, dtype=p.dtype, device="meta")
         for name, t in zip(m.hf, m.to_hf(meta, shape), strict=True):
             out.append((name, tuple(t.shape), t.dtype))
     return out
@@ -40,7 +36,7 @@ def stage_info(
 
 def refit_info(params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups) -> RefitInfo:
     """`{hf_name: (shape, dtype)}` of the whole model (every pipeline stage), in send order."""
-    mine = stage_info(params, shape, dist.get_world_size(groups.tp))
+    mine = stage_info(params, shape, groups)
     stages: list[object] = [mine]
     if groups.pp_size > 1:
         stages = [None] * groups.pp_size
@@ -50,7 +46,7 @@ def refit_info(params: dict[str, torch.Tensor], shape: ModelShape, groups: Group
 
 def owners(params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups) -> list[int]:
     """The pipeline stage of each refit-info name, in order."""
-    mine = len(stage_info(params, shape, dist.get_world_size(groups.tp)))
+    mine = len(stage_info(params, shape, groups))
     counts: list[object] = [mine]
     if groups.pp_size > 1:
         counts = [None] * groups.pp_size
@@ -70,7 +66,7 @@ def model_tensors(
 
     Collective over TP and PP: every rank of the model-parallel group iterates in step.
     """
-    own = export_hf_weights(params, shape, tp_group=groups.tp)
+    own = export_hf_weights(params, shape, groups)
     for (name, (dims, dtype)), stage in zip(info.items(), stage_of, strict=True):
         if stage == groups.pp_rank:
             exported, tensor = next(own)

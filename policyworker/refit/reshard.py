@@ -5,11 +5,13 @@
 
 Members: the trainer's ranks (refit ranks 0..S-1, their own global ranks) and the destination
 workers' (S..S+D-1), one process group set up over a TCP store, where each member also posts
-its place (role, TP rank and size, data/context-parallel rank). Both sides cut every TP-sharded
-megatron weight into the same pieces: the overlap of a source shard with a destination shard,
-along the split dim (gate and up halves separately; vocabulary rows up to the true vocabulary).
-The owner of a piece in data-parallel replica 0 sends exactly that slice to every destination
-rank of the matching TP rank: no rank ever holds a whole large weight it does not own.
+its place (role, TP and expert TP/EP ranks and sizes, whether it sends). Both sides cut every
+TP-sharded megatron weight into the same pieces: the overlap of a source shard with a destination
+shard, along the split dim (gate and up halves separately; vocabulary rows up to the true
+vocabulary). The owner of a piece in data-parallel replica 0 sends exactly that slice to every
+destination rank of the matching TP rank: no rank ever holds a whole large weight it does not
+own. A routed expert's pieces go from the EP rank that holds it (expert-data-parallel replica 0),
+cut along expert TP, to the destinations' EP rank that holds it, expert by expert in order.
 
 One refit: header [version, checksum on, info fingerprint] from refit rank 0; a MIN vote that
 the refit info matches; the replicated weights as one broadcast; the pieces, point to point,
@@ -19,6 +21,7 @@ weights and apply it only when every member voted yes. Every wait has the group'
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from collections.abc import Iterator
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from policyworker.model.experts import ExpertSplit
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import GateUp, Mapping, VocabRows
 from policyworker.model.weights import mappings
@@ -42,6 +46,12 @@ class Member:
     tp_size: int
     sends: bool
     """A source of data-parallel replica 0 (context-parallel rank 0): it sends its pieces."""
+    etp_rank: int = 0
+    etp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    sends_experts: bool = False
+    """A source of expert-data-parallel replica 0: it sends its experts' pieces."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,16 +109,13 @@ class ReshardGroup:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         store = dist.TCPStore(host, port, world, is_master=me.rank == 0, timeout=self.timeout)
-        store.set(
-            f"member/{me.rank}", json.dumps([me.destination, me.tp_rank, me.tp_size, me.sends])
-        )
-        self.members = []
-        for r in range(world):
-            destination, tp_rank, tp_size, sends = json.loads(store.get(f"member/{r}"))
-            self.members.append(Member(r, destination, tp_rank, tp_size, sends))
+        store.set(f"member/{me.rank}", json.dumps(dataclasses.astuple(me)))
+        self.members = [Member(*json.loads(store.get(f"member/{r}"))) for r in range(world)]
         self.me = me
-        self.src_tp = {m.tp_size for m in self.members if not m.destination}.pop()
-        self.dst_tp = {m.tp_size for m in self.members if m.destination}.pop()
+        sides = [[m for m in self.members if m.destination == d] for d in (False, True)]
+        self.src_tp, self.dst_tp = ({m.tp_size for m in side}.pop() for side in sides)
+        self.src_etp, self.dst_etp = ({m.etp_size for m in side}.pop() for side in sides)
+        self.src_ep, self.dst_ep = ({m.ep_size for m in side}.pop() for side in sides)
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
@@ -117,24 +124,55 @@ class ReshardGroup:
             self.pg = dist.ProcessGroupGloo(store, me.rank, world, self.timeout)
         self._store = store  # the group keeps using it
 
-    def _peers(self, piece: Piece) -> tuple[int, list[int]]:
-        """The sending rank of `piece` and the destination ranks that receive it."""
+    def _peers(self, piece: Piece, owners: tuple[int, int] | None) -> tuple[int, list[int]]:
+        """The sending rank of `piece` and the destination ranks that receive it; a routed
+        expert's piece goes between the EP ranks `owners` (source's, destinations')."""
+        if owners is None:
+            src = next(
+                m.rank
+                for m in self.members
+                if m.sends and m.tp_rank == piece.src_tp and not m.destination
+            )
+            dsts = [m.rank for m in self.members if m.destination and m.tp_rank == piece.dst_tp]
+            return src, dsts
+        src_ep, dst_ep = owners
         src = next(
             m.rank
             for m in self.members
-            if m.sends and m.tp_rank == piece.src_tp and not m.destination
+            if m.sends_experts and m.etp_rank == piece.src_tp and m.ep_rank == src_ep
         )
-        dsts = [m.rank for m in self.members if m.destination and m.tp_rank == piece.dst_tp]
+        dsts = [
+            m.rank
+            for m in self.members
+            if m.destination and m.etp_rank == piece.dst_tp and m.ep_rank == dst_ep
+        ]
         return src, dsts
 
     def _plan(
         self, params: dict[str, torch.Tensor], shape: ModelShape
-    ) -> Iterator[tuple[str, Mapping, list[Piece]]]:
-        tp = self.me.tp_size
-        for m in mappings(shape, tp):
-            if m.mcore in params and m.tp_dim is not None:
+    ) -> Iterator[tuple[str, Mapping, list[Piece], tuple[int, int] | None]]:
+        """(name, mapping, pieces, owners) of every TP-sharded weight, the same on every member
+        (another EP rank's expert is sized by this rank's of the same slot); `owners`: a routed
+        expert's EP rank on the source side and on the destination side, else None."""
+        me, experts = self.me, shape.moe.num_experts if shape.moe else 0
+        split = ExpertSplit(me.ep_rank, me.ep_size, experts // me.ep_size)
+        for m in mappings(shape, me.tp_size):
+            e = split.expert(m.mcore)
+            if m.tp_dim is None:
+                continue
+            if e is None:
                 local = params[m.mcore].shape[m.tp_dim]
-                yield m.mcore, m, pieces(m, shape, self.src_tp, self.dst_tp, local, tp)
+                yield (
+                    m.mcore,
+                    m,
+                    pieces(m, shape, self.src_tp, self.dst_tp, local, me.tp_size),
+                    None,
+                )
+                continue
+            local = params[split.stand_in(m.mcore)].shape[m.tp_dim]
+            plan = pieces(m, shape, self.src_etp, self.dst_etp, local, me.etp_size)
+            owners = (e // (experts // self.src_ep), e // (experts // self.dst_ep))
+            yield m.mcore, m, plan, owners
 
     def refit(
         self,
@@ -163,10 +201,9 @@ class ReshardGroup:
         try:
             self._replicated(params, target, shape)
             tag = 0
-            for name, m, plan in self._plan(params, shape):
-                tag = self._move(
-                    params[name], target[name], m.tp_dim, plan, tag, bool(use_checksum)
-                )
+            for name, m, plan, owners in self._plan(params, shape):
+                move = Move(params.get(name), target.get(name), m.tp_dim, owners)  # type: ignore[arg-type]
+                tag = self._move(move, plan, tag, bool(use_checksum))
         except RefitError as e:
             if staging is None:
                 raise
@@ -206,24 +243,18 @@ class ReshardGroup:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
-    def _move(
-        self,
-        param: torch.Tensor,
-        target: torch.Tensor,
-        dim: int,
-        plan: list[Piece],
-        tag: int,
-        use_checksum: bool,
-    ) -> int:
+    def _move(self, move: Move, plan: list[Piece], tag: int, use_checksum: bool) -> int:
         """Send or receive one weight's pieces; returns the next tag."""
         works: list[tuple[dist.Work, str]] = []
         received: list[tuple[Piece, torch.Tensor, torch.Tensor | None]] = []
         keep = []
+        dim = move.dim
         for piece in plan:
-            src, dsts = self._peers(piece)
+            src, dsts = self._peers(piece, move.owners)
             tag += 1
             if self.me.rank == src:
-                data = param.detach().narrow(dim, piece.src, piece.n).contiguous()
+                assert move.param is not None
+                data = move.param.detach().narrow(dim, piece.src, piece.n).contiguous()
                 total = torch.tensor([_sum(data)], device=self.device)
                 keep += [data, total]
                 for d in dsts:
@@ -231,9 +262,10 @@ class ReshardGroup:
                     if use_checksum:
                         works.append((self.pg.send([total], d, tag + 1_000_000), f"checksum {tag}"))
             elif self.me.rank in dsts:
-                shape = list(param.shape)
+                assert move.target is not None
+                shape = list(move.target.shape)
                 shape[dim] = piece.n
-                data = torch.empty(shape, dtype=param.dtype, device=self.device)
+                data = torch.empty(shape, dtype=move.target.dtype, device=self.device)
                 works.append((self.pg.recv([data], src, tag), f"piece {tag} from rank {src}"))
                 total = None
                 if use_checksum:
@@ -248,8 +280,20 @@ class ReshardGroup:
                     raise RefitError(
                         f"reshard: a piece ({piece.n} along dim {dim}) failed its checksum"
                     )
-                target.narrow(dim, piece.dst, piece.n).copy_(data)
+                move.target.narrow(dim, piece.dst, piece.n).copy_(data)  # type: ignore[union-attr]
         return tag
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One TP-sharded weight of a refit: this member's tensor to send from and to write into
+    (None where another EP rank holds the expert), its split dim, and for a routed expert the
+    EP ranks that hold it (source side, destination side)."""
+
+    param: torch.Tensor | None
+    target: torch.Tensor | None
+    dim: int
+    owners: tuple[int, int] | None
 
 
 def report(info: RefitInfo, version: int, seconds: float, use_checksum: bool) -> RefitReport:

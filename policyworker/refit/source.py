@@ -71,7 +71,7 @@ class RefitSource:
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""
-        return export_hf_weights(self._params(), self.shape, tp_group=self.groups.tp)
+        return export_hf_weights(self._params(), self.shape, self.groups)
 
     def info(self) -> RefitInfo:
         """Refit info of the whole model (collective over the pipeline group the first time)."""
@@ -184,6 +184,11 @@ class RefitSource:
             tp_rank=g.tp_rank,
             tp_size=dist.get_world_size(g.tp),
             sends=not destination and g.dp_rank == 0 and g.cp_rank == 0,
+            etp_rank=g.etp_rank,
+            etp_size=g.etp_size,
+            ep_rank=g.ep_rank,
+            ep_size=g.ep_size,
+            sends_experts=not destination and g.expert_dp_rank == 0,
         )
         self._reshard = ReshardGroup(
             host,

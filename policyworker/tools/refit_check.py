@@ -37,21 +37,27 @@ class CheckOptions:
     timeout_s: float = 60.0
     refits: int = 2
     trainer_tp: int = 1
-    """Trainer ranks, all tensor parallel."""
+    """The trainer's tensor parallel size (its ranks: TP x EP)."""
     receiver_tp: int = 1
-    """Destination worker ranks, all tensor parallel (reshard only)."""
+    """The destination workers' tensor parallel size (reshard only; their ranks: TP x EP)."""
+    trainer_ep: int = 1
+    """The trainer's expert parallel size (an MoE model), over its data-parallel ranks."""
+    receiver_ep: int = 1
+    """The destination workers' expert parallel size (reshard only)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport: expected one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("trainer_tp", "receiver_tp", "refits"):
+        for name in ("trainer_tp", "receiver_tp", "trainer_ep", "receiver_ep", "refits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        if self.receiver_tp != 1 and self.transport != "reshard":
-            raise ValueError("--receiver-tp: only the reshard transport has destination workers")
+        for name in ("receiver_tp", "receiver_ep"):
+            if getattr(self, name) != 1 and self.transport != "reshard":
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag}: only the reshard transport has destination workers")
 
 
-def _config(opts: CheckOptions, tp: int) -> Any:
+def _config(opts: CheckOptions, tp: int, ep: int) -> Any:
     from policyworker.config import ParallelConfig, PolicyConfig, RefitConfig
 
     return PolicyConfig(
@@ -60,7 +66,11 @@ def _config(opts: CheckOptions, tp: int) -> Any:
         max_total_sequence_length=64,
         refit=RefitConfig(timeout_s=opts.timeout_s, checksum=True),
         # sequence parallel with TP: what an MoE model needs, and the same weights for any
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1),
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=tp,
+            sequence_parallel=tp > 1,
+            expert_model_parallel_size=ep,
+        ),
     )
 
 
@@ -69,9 +79,10 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.driver.policy import Policy
 
-    tp = opts.trainer_tp
+    tp, ep = opts.trainer_tp, opts.trainer_ep
+    cfg = _config(opts, tp, ep)
     with (
-        Policy(_config(opts, tp), tp, init_optimizer=False, init_reference_model=False) as trainer,
+        Policy(cfg, tp * ep, init_optimizer=False, init_reference_model=False) as trainer,
         tempfile.TemporaryDirectory() as tmp,
     ):
         ids, lengths = _fixed_batch(trainer.shape.vocab_size)
@@ -83,6 +94,8 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
         "transport": opts.transport,
         "trainer_tp": opts.trainer_tp,
         "receiver_tp": opts.receiver_tp,
+        "trainer_ep": opts.trainer_ep,
+        "receiver_ep": opts.receiver_ep,
         "bytes": report.bytes,
         "seconds": report.seconds,
         "gbps": report.gbps,
@@ -138,17 +151,17 @@ def _engine(
 def _reshard(
     trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
-    """Refits into destination workers of another TP layout."""
+    """Refits into destination workers of another TP / EP layout."""
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.driver.policy import Policy
     from policyworker.parallel.dims import free_port
 
-    tp = opts.receiver_tp
-    with Policy(_config(opts, tp), tp, is_refit_destination=True) as dest:
-        port, s = free_port(), trainer.world_size
+    tp, ep = opts.receiver_tp, opts.receiver_ep
+    with Policy(_config(opts, tp, ep), tp * ep, is_refit_destination=True) as dest:
+        port, s, d = free_port(), trainer.world_size, tp * ep
         both(
-            lambda: trainer.init_reshard("127.0.0.1", port, s, tp, opts.timeout_s),
-            lambda: dest.init_reshard("127.0.0.1", port, s, tp, opts.timeout_s),
+            lambda: trainer.init_reshard("127.0.0.1", port, s, d, opts.timeout_s),
+            lambda: dest.init_reshard("127.0.0.1", port, s, d, opts.timeout_s),
         )
         for _ in range(opts.refits):
             report, version = both(trainer.nccl_reshard_refit, dest.nccl_reshard_refit)

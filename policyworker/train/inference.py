@@ -17,7 +17,7 @@ from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
 from policyworker.ops.logprobs import topk_logits
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
-from policyworker.train.schedule import MicrobatchFn, loss_inputs, run_microbatches
+from policyworker.train.schedule import MicrobatchFn, loss_inputs, run_microbatches, split_evenly
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -102,7 +102,10 @@ class Collector:
         self.model.eval()
         names = ("input_ids", "input_lengths")
         batch = BatchedDataDict({k: data[k] for k in names}).to(self.device)
-        microbatches = self.plan.split(batch, train=False, mbs=mbs)
+        if self.groups.ep_size > 1:  # every forward exchanges tokens with the other EP ranks
+            microbatches = split_evenly(batch, self.plan, mbs, 1, self.groups, train=False)
+        else:
+            microbatches = self.plan.split(batch, train=False, mbs=mbs)
         with torch.no_grad():
             stores = run_microbatches(self.model, microbatches, fn, forward_only=True)
         b, s = data["input_ids"].shape

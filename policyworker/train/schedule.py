@@ -134,12 +134,20 @@ def per_microbatch(
     return {k: [v for rank in everyone for v in rank.get(k, [])] for k in mine}
 
 
-def split_for_training(
-    batch: BatchedDataDict, plan: MicrobatchPlan, mbs: int, rows_per_example: int, groups: Groups
+def split_evenly(
+    batch: BatchedDataDict,
+    plan: MicrobatchPlan,
+    mbs: int,
+    rows_per_example: int,
+    groups: Groups,
+    *,
+    train: bool = True,
 ) -> list[Microbatch]:
-    """This rank's micro-batches of a global batch, topped up with fillers (no loss, no tokens)
-    so that every data-parallel rank runs as many as the one with the most."""
-    mbs_list = plan.split(batch, train=True, mbs=mbs, rows_per_example=rows_per_example)
+    """This rank's micro-batches of a batch, topped up with fillers (no loss, no tokens, no
+    rows) so that every data-parallel rank runs as many as the one with the most: training's
+    gradient reduction wants it, and any forward of an expert-parallel model (its token
+    exchange spans data-parallel ranks)."""
+    mbs_list = plan.split(batch, train=train, mbs=mbs, rows_per_example=rows_per_example)
     count = torch.tensor([len(mbs_list)], device=batch["input_ids"].device)
     if groups.dp is not None and dist.get_world_size(groups.dp) > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=groups.dp)

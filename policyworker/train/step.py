@@ -41,7 +41,7 @@ from policyworker.train.schedule import (
     per_microbatch,
     reduce_metrics,
     run_microbatches,
-    split_for_training,
+    split_evenly,
     sum_over_dp,
 )
 
@@ -126,7 +126,7 @@ def add_chunk(
         records.append((_detached(inputs), mb.data))
         return loss, {}
 
-    microbatches = split_for_training(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
+    microbatches = split_evenly(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
     ddp.train()
     run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode)
     for name, value in local.items():
