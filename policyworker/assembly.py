@@ -29,6 +29,7 @@ from policyworker.model.hf_config import (
     model_shape,
 )
 from policyworker.model.reference import ReferenceWeights
+from policyworker.model.routing import RouteCounts
 from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_hf_weights
 from policyworker.parallel.dims import Groups, ParallelDims, setup_parallel
 from policyworker.refit.source import RefitSource
@@ -195,6 +196,11 @@ def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer
         vocab_size=w.shape.vocab_size,
         max_seq_len=c.max_total_sequence_length,
     )
+    moe = w.shape.moe
+    routes = None
+    if moe is not None:
+        layers, experts = w.shape.num_layers, moe.num_experts
+        routes = RouteCounts(state.model, num_layers=layers, num_experts=experts)
     return Trainer(
         ddp=state.ddp,
         optimizer=state.optimizer,
@@ -204,6 +210,7 @@ def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer
         dp=w.dims.dp,
         device=w.device,
         settings=settings,
+        routes=routes,
     )
 
 

@@ -412,6 +412,41 @@ def _assert_layout_matches(results, layouts, layout) -> None:
     got = torch.load(out / f"{layout}.pt", weights_only=False)
     assert (got["dims"].tp, got["dims"].pp) == (tp, pp)
     _assert_matches(got, single, folder, VOCAB, out / f"{layout}.hf", pp=pp)
+    for step, want in enumerate(single["train"]):  # every token reached the same experts
+        for rank_metrics in got["train"]:
+            for key in ROUTE_METRICS:
+                assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-9), (step, key)
+
+
+ROUTE_METRICS = (
+    "moe_tokens_per_expert_min",
+    "moe_tokens_per_expert_max",
+    "moe_tokens_per_expert_cv",
+)
+
+
+@pytest.mark.parametrize("how", ["rows", "packed", "one-row-micro-batches", "split-step"])
+def test_tokens_per_expert_count_every_real_token_once(tmp_path, how):
+    """With top-k = every expert, each expert of each MoE layer receives each real token of the
+    step exactly once: padding, packing gaps and the other micro-batches' fillers do not count,
+    nor do forward-only calls."""
+    from policyworker.config import SequencePackingConfig
+
+    folder = make_hf_model(tmp_path / "m", "qwen3_moe", num_experts_per_tok=8)
+    packing = SequencePackingConfig(enabled=how == "packed", train_mb_tokens=24)
+    worker = make_worker(folder, sequence_packing=packing)
+    data = make_batch(batch=4, seq=12)
+    tokens = float(data["input_lengths"].sum())
+    worker.get_logprobs(data=data)
+    if how == "split-step":
+        worker.begin_train_step(NLLLoss())
+        worker.train_microbatch(data.slice(0, 2))
+        worker.train_microbatch(data.slice(2, 4))
+        metrics = worker.finish_train_step()
+    else:
+        metrics = worker.train(data, NLLLoss(), mbs=1 if how == "one-row-micro-batches" else None)
+    assert metrics["moe_tokens_per_expert_min"] == metrics["moe_tokens_per_expert_max"] == tokens
+    assert metrics["moe_tokens_per_expert_cv"] == 0.0
 
 
 def test_layouts_an_moe_model_cannot_take_are_refused(tmp_path):

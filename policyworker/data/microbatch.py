@@ -87,6 +87,14 @@ class Microbatch:
             params = self.context.seq_params(params, device)
         return self.to_local(self.pack(ids)), self.to_local(self.layout.positions(device)), params
 
+    def padding_mask(self, device: torch.device) -> torch.Tensor:
+        """[b, t] in the model's input layout (this CP rank's tokens): True where no row's token
+        is (padding after a row, between packed sequences; all of a filler)."""
+        ids = self.data["input_ids"]
+        lengths = self.data["input_lengths"].to(device) if self.rows else torch.zeros(ids.shape[0])
+        valid = torch.arange(ids.shape[1], device=device)[None, :] < lengths.to(device)[:, None]
+        return ~self.to_local(self.pack(valid))
+
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-row values [n, S, ...] in the model's layout (the whole sequence)."""
         return rows if self.layout is None else self.layout.pack(rows)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
@@ -39,13 +40,16 @@ def run_microbatches(
     """Run `fn` on each micro-batch's logits via megatron's schedule; returns its metrics dicts."""
     it: Iterator[Microbatch] = iter(microbatches)
     device = microbatches[0].data["input_ids"].device
+    moe = get_model_config(model).num_moe_experts is not None
 
     def forward_step(data_iterator: Iterator[Microbatch], model: torch.nn.Module) -> Any:
         mb = next(data_iterator)
         ids, pos, packed = mb.model_inputs(device)
+        # routers see which tokens are padding (their token counts leave them out)
+        extra = {"padding_mask": mb.padding_mask(device)} if moe else {}
         # [B, S, V/tp] (packed: [1, T, V/tp]) on the last stage, hidden states on the others
         logits = model(
-            ids, pos, None, packed_seq_params=packed, output_processor=batch_major_logits
+            ids, pos, None, packed_seq_params=packed, output_processor=batch_major_logits, **extra
         )
 
         def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:

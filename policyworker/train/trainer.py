@@ -21,6 +21,7 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
+from policyworker.model.routing import RouteCounts
 from policyworker.parallel.dims import Groups
 from policyworker.train.optimizer import optimizer_state_bytes
 from policyworker.train.step import (
@@ -65,10 +66,13 @@ class Trainer:
         dp: int,
         device: torch.device,
         settings: TrainSettings,
+        routes: RouteCounts | None = None,
     ) -> None:
         self.ddp, self.optimizer, self.scheduler = ddp, optimizer, scheduler
         self.plan, self.groups, self.dp, self.device = plan, groups, dp, device
         self.settings = settings
+        self.routes = routes
+        """An MoE model's tokens per expert, counted during a step's forwards."""
         self._step: OpenStep | None = None
 
     @property
@@ -110,7 +114,7 @@ class Trainer:
         for start in range(0, b, local):
             chunk = data.slice(start, start + local)
             known = known_counts_for(loss_fn, chunk, self.groups)
-            self._step = open_step(
+            self._step = self._open(
                 StepSpec(loss_fn, local, mbs, eval_mode=eval_mode, known_counts=known)
             )
             self._add(chunk)
@@ -122,7 +126,7 @@ class Trainer:
         self.require_no_step("begin_train_step")
         gbs, mbs = self._sizes(gbs, mbs)
         local = check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dp)
-        self._step = open_step(StepSpec(loss_fn, local, mbs))
+        self._step = self._open(StepSpec(loss_fn, local, mbs))
 
     def add(self, data: BatchedDataDict) -> None:
         """Forward/backward a chunk of the open step; on an error inside, the step is aborted."""
@@ -189,6 +193,12 @@ class Trainer:
             raise ValueError(f"{call}: no train step is open; begin_train_step() first")
         return self._step
 
+    def _open(self, spec: StepSpec) -> OpenStep:
+        step = open_step(spec)
+        if self.routes is not None:
+            self.routes.reset()  # an aborted step's counts do not carry over
+        return step
+
     def _sizes(self, gbs: int | None, mbs: int | None) -> tuple[int, int]:
         s = self.settings
         return (s.gbs if gbs is None else gbs), (s.mbs if mbs is None else mbs)
@@ -215,7 +225,7 @@ class Trainer:
         step, self._step = self._step, None
         assert step is not None
         try:
-            return finish_step(
+            result = finish_step(
                 step,
                 self.ddp,
                 self.optimizer,
@@ -224,6 +234,9 @@ class Trainer:
                 max_grad_norm=self.settings.max_grad_norm,
                 device=self.device,
             )
+            if self.routes is not None:
+                result.metrics.update(self.routes.take())
+            return result
         except BaseException:
             zero_grads(self.ddp, self.optimizer)
             raise

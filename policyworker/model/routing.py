@@ -1,0 +1,69 @@
+"""How many tokens each expert received in a training step: forward hooks on megatron's routers.
+
+Every MoE layer's router returns its routing map (tokens x experts, True where a token goes to an
+expert); the hook adds up each expert's real tokens (the micro-batch's padding mask leaves out
+padding and fillers) while the model trains. `take` sums the counts over every rank — pipeline
+stages hold different layers, data/context-parallel ranks (and tensor-parallel ones under
+sequence parallelism) different tokens — and turns them into the step's metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+
+class RouteCounts:
+    """Tokens per expert per MoE layer since the last `take` (training forwards only)."""
+
+    def __init__(self, model: GPTModel, *, num_layers: int, num_experts: int) -> None:
+        config = model.config
+        # without sequence parallelism the TP ranks route the same tokens
+        self.copies = 1 if config.sequence_parallel else config.tensor_model_parallel_size
+        device = next(model.parameters()).device
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        self.moe_layers = torch.zeros(num_layers, dtype=torch.bool, device=device)
+        for layer in model.decoder.layers:
+            if isinstance(layer.mlp, MoELayer):
+                self.moe_layers[layer.layer_number - 1] = True
+                layer.mlp.router.register_forward_hook(self._counter(layer.layer_number - 1))
+
+    def _counter(self, index: int) -> Any:
+        def hook(router: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not router.training:
+                return
+            routing_map = output[1]  # [tokens, experts]
+            padding = args[1] if len(args) > 1 else None  # MoELayer.route passes it positionally
+            if padding is not None:
+                routing_map = routing_map & ~padding.reshape(-1, 1)
+            self.counts[index] += routing_map.sum(dim=0)
+
+        return hook
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+    def take(self) -> dict[str, float]:
+        """The step's `moe_tokens_per_expert_min` / `_max` (over every MoE layer's experts) and
+        `_cv` (each layer's std / mean over its experts, averaged over layers); collective over
+        the world. The counts start again from zero."""
+        total = self.counts.clone()
+        self.counts.zero_()
+        moe = self.moe_layers.to(torch.int64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+            dist.all_reduce(moe)
+        per_layer = (total[moe > 0] // self.copies).double()
+        if per_layer.numel() == 0:
+            return {}
+        mean = per_layer.mean(dim=1).clamp_min(1e-12)
+        cv = per_layer.std(dim=1, correction=0) / mean
+        return {
+            "moe_tokens_per_expert_min": float(per_layer.min()),
+            "moe_tokens_per_expert_max": float(per_layer.max()),
+            "moe_tokens_per_expert_cv": float(cv.mean()),
+        }
