@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     check.add_argument("--receiver-tp", type=int, default=1, help="destination ranks (reshard)")
     for side in ("trainer", "receiver"):
         check.add_argument(f"--{side}-ep", type=int, default=1, help=f"{side}'s expert parallel")
+        check.add_argument(f"--{side}-etp", type=int, default=1, help=f"{side}'s expert TP")
     check.add_argument("--precision", default="float32", choices=["float32", "bfloat16"])
     check.add_argument("--buffer-size", type=int, default=0, help="bytes per buffer (0: auto)")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds, both sides")
@@ -108,6 +109,8 @@ def _refit_check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             receiver_tp=args.receiver_tp,
             trainer_ep=args.trainer_ep,
             receiver_ep=args.receiver_ep,
+            trainer_etp=args.trainer_etp,
+            receiver_etp=args.receiver_etp,
         )
     except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")

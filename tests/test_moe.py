@@ -209,18 +209,18 @@ def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
 @pytest.mark.parametrize(
     ("case", "transport", "trainer", "receiver"),
     [
-        ("qwen3_moe", "ipc", (1, 2), (1, 1)),
-        ("mixtral", "collective", (1, 2), (1, 1)),
-        ("qwen2_moe", "reshard", (1, 2), (2, 1)),
-        ("mixtral", "reshard", (2, 1), (1, 2)),
+        ("qwen3_moe", "ipc", (1, 2, 1), (1, 1, 1)),
+        ("mixtral", "collective", (1, 2, 1), (1, 1, 1)),
+        ("qwen2_moe", "reshard", (1, 2, 1), (2, 1, 1)),
+        ("mixtral", "reshard", (2, 1, 2), (1, 2, 1)),
     ],
 )
 def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer, receiver):
     """Every transport delivers per-expert weights bit for bit: into transformers' engine (whose
     experts are fused in memory: written through views) and into destination workers; from an
     expert-parallel trainer (each expert broadcast by the rank that holds it) and between EP
-    layouts (reshard: each expert's pieces from its EP rank to the destinations' EP rank).
-    `trainer` / `receiver`: (TP, EP)."""
+    layouts (reshard: each expert's pieces from its EP rank to the destinations' EP rank, cut
+    along expert TP). `trainer` / `receiver`: (TP, EP, expert TP)."""
     import json
 
     from policyworker.tools import refit_check as check
@@ -231,8 +231,10 @@ def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer,
         transport=transport,
         trainer_tp=trainer[0],
         trainer_ep=trainer[1],
+        trainer_etp=trainer[2],
         receiver_tp=receiver[0],
         receiver_ep=receiver[1],
+        receiver_etp=receiver[2],
         refits=2,
     )
     assert check.main(opts) == 0

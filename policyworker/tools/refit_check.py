@@ -12,6 +12,7 @@ sides' logprobs must agree within the precision's tolerance.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -37,27 +38,36 @@ class CheckOptions:
     timeout_s: float = 60.0
     refits: int = 2
     trainer_tp: int = 1
-    """The trainer's tensor parallel size (its ranks: TP x EP)."""
+    """The trainer's tensor parallel size; its ranks: the least multiple of TP and EP x ETP."""
     receiver_tp: int = 1
-    """The destination workers' tensor parallel size (reshard only; their ranks: TP x EP)."""
+    """The destination workers' tensor parallel size (reshard only; ranks as the trainer's)."""
     trainer_ep: int = 1
-    """The trainer's expert parallel size (an MoE model), over its data-parallel ranks."""
+    """The trainer's expert parallel size (an MoE model)."""
     receiver_ep: int = 1
     """The destination workers' expert parallel size (reshard only)."""
+    trainer_etp: int = 1
+    """The trainer's expert tensor parallel size (an MoE model)."""
+    receiver_etp: int = 1
+    """The destination workers' expert tensor parallel size (reshard only)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"--transport: expected one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("trainer_tp", "receiver_tp", "trainer_ep", "receiver_ep", "refits"):
+        sizes = ("tp", "ep", "etp")
+        for name in (*(f"{side}_{s}" for side in ("trainer", "receiver") for s in sizes), "refits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
-        for name in ("receiver_tp", "receiver_ep"):
+        for name in ("receiver_tp", "receiver_ep", "receiver_etp"):
             if getattr(self, name) != 1 and self.transport != "reshard":
                 flag = "--" + name.replace("_", "-")
                 raise ValueError(f"{flag}: only the reshard transport has destination workers")
 
 
-def _config(opts: CheckOptions, tp: int, ep: int) -> Any:
+def _ranks(tp: int, ep: int, etp: int) -> int:
+    return math.lcm(tp, ep * etp)
+
+
+def _config(opts: CheckOptions, tp: int, ep: int, etp: int) -> Any:
     from policyworker.config import ParallelConfig, PolicyConfig, RefitConfig
 
     return PolicyConfig(
@@ -70,6 +80,7 @@ def _config(opts: CheckOptions, tp: int, ep: int) -> Any:
             tensor_model_parallel_size=tp,
             sequence_parallel=tp > 1,
             expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
         ),
     )
 
@@ -79,10 +90,10 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.driver.policy import Policy
 
-    tp, ep = opts.trainer_tp, opts.trainer_ep
-    cfg = _config(opts, tp, ep)
+    sizes = (opts.trainer_tp, opts.trainer_ep, opts.trainer_etp)
+    cfg = _config(opts, *sizes)
     with (
-        Policy(cfg, tp * ep, init_optimizer=False, init_reference_model=False) as trainer,
+        Policy(cfg, _ranks(*sizes), init_optimizer=False, init_reference_model=False) as trainer,
         tempfile.TemporaryDirectory() as tmp,
     ):
         ids, lengths = _fixed_batch(trainer.shape.vocab_size)
@@ -96,6 +107,8 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
         "receiver_tp": opts.receiver_tp,
         "trainer_ep": opts.trainer_ep,
         "receiver_ep": opts.receiver_ep,
+        "trainer_etp": opts.trainer_etp,
+        "receiver_etp": opts.receiver_etp,
         "bytes": report.bytes,
         "seconds": report.seconds,
         "gbps": report.gbps,
@@ -151,14 +164,15 @@ def _engine(
 def _reshard(
     trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
-    """Refits into destination workers of another TP / EP layout."""
+    """Refits into destination workers of another TP / EP / expert-TP layout."""
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.driver.policy import Policy
     from policyworker.parallel.dims import free_port
 
-    tp, ep = opts.receiver_tp, opts.receiver_ep
-    with Policy(_config(opts, tp, ep), tp * ep, is_refit_destination=True) as dest:
-        port, s, d = free_port(), trainer.world_size, tp * ep
+    sizes = (opts.receiver_tp, opts.receiver_ep, opts.receiver_etp)
+    d = _ranks(*sizes)
+    with Policy(_config(opts, *sizes), d, is_refit_destination=True) as dest:
+        port, s = free_port(), trainer.world_size
         both(
             lambda: trainer.init_reshard("127.0.0.1", port, s, d, opts.timeout_s),
             lambda: dest.init_reshard("127.0.0.1", port, s, d, opts.timeout_s),
