@@ -2,9 +2,10 @@
 
 `refit_info` needs no tensor at all: each stage runs its mappings on meta tensors of the full
 (TP-gathered) shapes, and the stages' lists are gathered over the pipeline group. `model_tensors`
-yields every tensor of the model in that order: a stage's own tensors come from the TP-gathering
-export, the other stages' are broadcast over the pipeline group by their owner. At most one
-tensor (plus its TP shards) is materialized at a time, never a second copy of the model.
+yields every tensor of the model in that order: a stage's own tensors come from the export
+(TP shards gathered, each routed expert broadcast by its EP rank), the other stages' are
+broadcast over the pipeline group by their owner. At most one tensor (plus its TP shards) is
+materialized at a time, never a second copy of the model.
 """
 
 from __future__ import annotations
