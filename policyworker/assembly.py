@@ -127,6 +127,7 @@ def build_state(
         pre_process=w.groups.is_first_stage,
         post_process=w.groups.is_last_stage,
         moe=config.moe,
+        recompute=config.recompute,
     )
     if hf_weights is not None:
         load_hf_weights(

@@ -4,7 +4,7 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
     python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUTDIR \
         NAME:TP:PP[:flag,flag...] ...
         (flags: pack, distopt, sp, cp, split; ep: EP2, etp: expert TP = TP, allgather: that
-        token dispatcher)
+        token dispatcher; recompute / selrecompute: full / selective activation recompute)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them) to
@@ -29,6 +29,7 @@ from policyworker.config import (
     OptimizerConfig,
     ParallelConfig,
     PolicyConfig,
+    RecomputeConfig,
     SequencePackingConfig,
 )
 from policyworker.data.batched_data_dict import BatchedDataDict
@@ -109,6 +110,7 @@ def config(
     ep: int = 1,
     etp: int = 1,
     dispatcher: str = "alltoall",
+    recompute: str | None = None,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -131,6 +133,11 @@ def config(
         ),
         sequence_packing=packing,
         moe=MoEConfig(moe_token_dispatcher_type=dispatcher),
+        recompute=RecomputeConfig(
+            activation_checkpointing=recompute is not None,
+            recompute_granularity=recompute or "full",
+            recompute_modules=["core_attn", "mlp", "moe"] if recompute == "selective" else None,
+        ),
     )
 
 
@@ -151,6 +158,11 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             ep=2 if "ep" in flags else 1,
             etp=tp if "etp" in flags else 1,
             dispatcher="allgather" if "allgather" in flags else "alltoall",
+            recompute="full"
+            if "recompute" in flags
+            else "selective"
+            if "selrecompute" in flags
+            else None,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

@@ -30,6 +30,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PolicyConfig",
+    "RecomputeConfig",
     "RefitConfig",
     "SchedulerConfig",
     "SequencePackingConfig",
@@ -160,6 +161,38 @@ class MoEConfig:
                "fp32, fp64 or null", self.moe_router_dtype)  # fmt: skip
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")
+"""What selective recompute may name: megatron's modules of our layer spec (its "layernorm"
+recompute needs Transformer Engine in megatron-core 0.19: its checkpoint reads TE's FP8 state)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class RecomputeConfig:
+    """Activation recompute, with the reference's names: activations inside a layer are dropped
+    after the forward and recomputed in the backward (less memory, one more forward's work)."""
+
+    activation_checkpointing: bool = False
+    """Recompute on (off: every activation is kept until the backward)."""
+    recompute_granularity: Literal["full", "selective"] = "full"
+    """full: each whole transformer layer, keeping only its input (megatron's uniform method,
+    one layer per checkpoint, as the reference); selective: only `recompute_modules`."""
+    recompute_modules: list[str] | None = None
+    """For selective: some of core_attn, mlp, moe (None: core_attn, megatron's default)."""
+
+    def validate(self, prefix: str = "recompute") -> None:
+        _check(isinstance(self.activation_checkpointing, bool),
+               f"{prefix}.activation_checkpointing", "true or false",
+               self.activation_checkpointing)  # fmt: skip
+        _check(self.recompute_granularity in ("full", "selective"),
+               f"{prefix}.recompute_granularity", "full or selective",
+               self.recompute_granularity)  # fmt: skip
+        modules = self.recompute_modules
+        ok = modules is None or (
+            isinstance(modules, list) and all(m in RECOMPUTE_MODULES for m in modules)
+        )
+        _check(ok, f"{prefix}.recompute_modules", f"null or a list of {RECOMPUTE_MODULES}", modules)
+
+
 def _check_budget(value: int | None, name: str) -> None:
     _check(
         value is None or (isinstance(value, int) and value >= 1), name, "an int >= 1 or null", value
@@ -287,6 +320,8 @@ class PolicyConfig:
     """Megatron parallel sizes."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts options."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recompute."""
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     """Sequence packing (THD bins by token budget)."""
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
@@ -332,6 +367,7 @@ class PolicyConfig:
         self.scheduler.validate()
         self.parallel.validate()
         self.moe.validate()
+        self.recompute.validate()
         self.sequence_packing.validate()
         self.dynamic_batching.validate()
         self.refit.validate()

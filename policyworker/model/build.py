@@ -39,7 +39,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from policyworker.config import MoEConfig
+from policyworker.config import MoEConfig, RecomputeConfig
 from policyworker.model.attention import SDPACoreAttention
 from policyworker.model.grouped_experts import GroupedExperts
 from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
@@ -54,6 +54,7 @@ def transformer_config(
     params_dtype: torch.dtype,
     on_gpu: bool,
     moe: MoEConfig | None = None,
+    recompute: RecomputeConfig | None = None,
 ) -> TransformerConfig:
     """megatron's TransformerConfig for `shape`; fusions that need apex/TE are off."""
     bf16 = params_dtype == torch.bfloat16
@@ -95,7 +96,21 @@ def transformer_config(
         # Loss is already normalized by global token counts: DDP must sum, not average.
         calculate_per_token_loss=True,
         **moe_fields(shape.moe, moe or MoEConfig()),
+        **recompute_fields(recompute or RecomputeConfig()),
     )
+
+
+def recompute_fields(cfg: RecomputeConfig) -> dict[str, Any]:
+    """TransformerConfig's recompute settings: full (every layer, one per checkpoint, megatron's
+    uniform method: what the reference sets) or selective (the named modules); none when off."""
+    if not cfg.activation_checkpointing:
+        return {}
+    if cfg.recompute_granularity == "full":
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    modules = ["core_attn"] if cfg.recompute_modules is None else list(cfg.recompute_modules)
+    return dict(recompute_granularity="selective", recompute_modules=modules)
 
 
 def moe_fields(moe: MoEShape | None, cfg: MoEConfig) -> dict[str, Any]:
@@ -182,6 +197,7 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     moe: MoEConfig | None = None,
+    recompute: RecomputeConfig | None = None,
 ) -> GPTModel:
     """A GPTModel with this rank's shard of `shape`, on the current device, weights unset; with
     `moe.freeze_moe_router` its routers take no gradient."""
@@ -193,6 +209,7 @@ def build_gpt_model(
         params_dtype=params_dtype,
         on_gpu=on_gpu,
         moe=moe,
+        recompute=recompute,
     )
     # This pipeline stage's share of the layers, as megatron splits them.
     first, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)

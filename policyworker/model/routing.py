@@ -2,9 +2,10 @@
 
 Every MoE layer's router returns its routing map (tokens x experts, True where a token goes to an
 expert); the hook adds up each expert's real tokens (the micro-batch's padding mask leaves out
-padding and fillers) while the model trains. `take` sums the counts over every rank — pipeline
-stages hold different layers, data/context-parallel ranks (and tensor-parallel ones under
-sequence parallelism) different tokens — and turns them into the step's metrics.
+padding and fillers) in the forwards that build a backward (an `eval_mode` step counts none).
+`take` sums the counts over every rank — pipeline stages hold different layers, data/context-
+parallel ranks (and tensor-parallel ones under sequence parallelism) different tokens — and turns
+them into the step's metrics.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ class RouteCounts:
 
     def _counter(self, index: int) -> Any:
         def hook(router: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not router.training:
+            # megatron's activation recompute runs a layer's first forward without grad and its
+            # recompute with: counting forwards with grad counts each token once either way
+            if not (router.training and torch.is_grad_enabled()):
                 return
             routing_map = output[1]  # [tokens, experts]
             padding = args[1] if len(args) > 1 else None  # MoELayer.route passes it positionally
@@ -58,7 +61,7 @@ class RouteCounts:
             dist.all_reduce(total)
             dist.all_reduce(moe)
         per_layer = (total[moe > 0] // self.copies).double()
-        if per_layer.numel() == 0:
+        if per_layer.numel() == 0 or per_layer.sum() == 0:  # no MoE layer, or a forward-only step
             return {}
         mean = per_layer.mean(dim=1).clamp_min(1e-12)
         cv = per_layer.std(dim=1, correction=0) / mean
