@@ -91,7 +91,7 @@ class Microbatch:
         """[b, t] in the model's input layout (this CP rank's tokens): True where no row's token
         is (padding after a row, between packed sequences; all of a filler)."""
         ids = self.data["input_ids"]
-        lengths = self.data["input_lengths"].to(device) if self.rows else torch.zeros(ids.shape[0])
+        lengths = self.data["input_lengths"] if self.rows else torch.zeros(ids.shape[0])
         valid = torch.arange(ids.shape[1], device=device)[None, :] < lengths.to(device)[:, None]
         return ~self.to_local(self.pack(valid))
 
