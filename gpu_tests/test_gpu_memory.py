@@ -78,6 +78,19 @@ def test_open_step_survives_offload_and_split_equals_train(folder):
     assert_same(snapshot(worker), snapshot(twin))
 
 
+def _long_worker(folder: Path, seq: int, **options: object) -> MegatronPolicyWorker:
+    """bf16, two sequences of up to `seq` tokens per step, one per micro-batch."""
+    cfg = dict(
+        model_name=str(folder),
+        precision="bfloat16",
+        train_global_batch_size=2,
+        train_micro_batch_size=1,
+        logprob_batch_size=1,
+        max_total_sequence_length=seq,
+    )
+    return MegatronPolicyWorker(PolicyConfig(**cfg, **options))  # type: ignore[arg-type]
+
+
 def test_full_recompute_lowers_the_peak_of_a_long_step_and_keeps_the_loss(tmp_path):
     """bf16, one 4k-token sequence per micro-batch: the activation peak of a train step (above
     what the worker holds between steps) with full recompute is at most half of the one
@@ -90,16 +103,7 @@ def test_full_recompute_lowers_the_peak_of_a_long_step_and_keeps_the_loss(tmp_pa
     data = make_batch(batch=2, seq=4096, vocab=1024, seed=3)
     peaks, metrics = {}, {}
     for on in (False, True):
-        worker = MegatronPolicyWorker(
-            PolicyConfig(
-                model_name=str(folder),
-                precision="bfloat16",
-                train_global_batch_size=2,
-                train_micro_batch_size=1,
-                max_total_sequence_length=4096,
-                recompute=RecomputeConfig(activation_checkpointing=on),
-            )
-        )
+        worker = _long_worker(folder, 4096, recompute=RecomputeConfig(activation_checkpointing=on))
         worker.train(data, NLLLoss())  # the optimizer state exists from here on
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -112,3 +116,37 @@ def test_full_recompute_lowers_the_peak_of_a_long_step_and_keeps_the_loss(tmp_pa
     )
     assert peaks[True] <= 0.5 * peaks[False]
     assert metrics[True]["loss"] == pytest.approx(metrics[False]["loss"], rel=2e-2)
+
+
+def test_chunked_logits_lower_the_peak_by_the_logits_and_keep_the_numbers(tmp_path):
+    """bf16, a 32k-token vocabulary, one 4k-token sequence per micro-batch: with
+    `logprob_chunk_size=512` the step's peak (above what the worker holds between steps) drops
+    by at least the bf16 logits of a micro-batch, get_logprobs' by at least half of them; loss and
+    logprobs stay within bf16 rounding. Prints the peaks."""
+    vocab, seq = 32768, 4096
+    shape = MEDIUM | {"max_position_embeddings": seq, "vocab_size": vocab}
+    folder = make_hf_model(tmp_path / "wide", "llama", **shape)
+    data = make_batch(batch=2, seq=seq, vocab=vocab, seed=3)
+    peaks: dict = {}
+    metrics: dict = {}
+    logprobs: dict = {}
+    for chunk in (None, 512):
+        worker = _long_worker(folder, seq, logprob_chunk_size=chunk)
+        worker.train(data, NLLLoss())  # the optimizer state exists from here on
+        peaks[chunk] = {}
+        for name in ("train", "logprobs"):
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            if name == "train":
+                metrics[chunk] = worker.train(data, NLLLoss())
+            else:
+                logprobs[chunk] = worker.get_logprobs(data=data)["logprobs"]
+            peaks[chunk][name] = torch.cuda.max_memory_allocated() - base
+        worker.shutdown()
+    logits = seq * vocab * 2  # one micro-batch's bf16 logits
+    print({c: {k: v / 2**20 for k, v in p.items()} for c, p in peaks.items()}, "MiB")
+    assert peaks[512]["train"] <= peaks[None]["train"] - logits
+    assert peaks[512]["logprobs"] <= peaks[None]["logprobs"] - logits // 2
+    assert metrics[512]["loss"] == pytest.approx(metrics[None]["loss"], rel=2e-2)
+    assert (logprobs[512] - logprobs[None]).abs().mean().item() <= 2e-2

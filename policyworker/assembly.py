@@ -31,6 +31,7 @@ from policyworker.model.hf_config import (
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.routing import RouteCounts
 from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_hf_weights
+from policyworker.ops.logprobs import LogitOptions
 from policyworker.parallel.dims import Groups, ParallelDims, setup_parallel
 from policyworker.refit.source import RefitSource
 from policyworker.train.inference import Collector
@@ -92,7 +93,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
     hf_config = load_hf_config(config.model_name, require_weights=require_weights)
     shape = model_shape(hf_config)
     check_sliding_window(hf_config, config.max_total_sequence_length)
-    check_layout(config.parallel, shape, config.moe)
+    check_layout(config.parallel, shape, config.moe, config.recompute)
     if hf_weights is not None:
         field = "model_name" if hf_weights == config.model_name else "weights_path"
         check_hf_folder(hf_weights, hf_config, shape, field=field)
@@ -192,7 +193,7 @@ def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer
     settings = TrainSettings(
         gbs=c.train_global_batch_size,
         mbs=c.train_micro_batch_size,
-        temperature=c.temperature,
+        logits=logit_options(w),
         max_grad_norm=c.max_grad_norm,
         vocab_size=w.shape.vocab_size,
         max_seq_len=c.max_total_sequence_length,
@@ -221,10 +222,21 @@ def build_collector(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Colle
         plan=plan,
         groups=w.groups,
         device=w.device,
-        temperature=w.cfg.temperature,
+        logits=logit_options(w),
         vocab_size=w.shape.vocab_size,
         max_seq_len=w.cfg.max_total_sequence_length,
         default_mbs=w.cfg.logprob_batch_size,
+    )
+
+
+def logit_options(w: Parts) -> LogitOptions:
+    """How this rank reads logits: temperature, its vocabulary slice, `logprob_chunk_size`."""
+    return LogitOptions(
+        temperature=w.cfg.temperature,
+        tp_group=w.groups.tp,
+        tp_rank=w.groups.tp_rank,
+        vocab_size=w.shape.vocab_size,
+        chunk_tokens=w.cfg.logprob_chunk_size,
     )
 
 

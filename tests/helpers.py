@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from torch.overrides import TorchFunctionMode
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 
@@ -130,3 +131,30 @@ def clean_env() -> dict[str, str]:
     or a single process): no rank variables of ours, one OpenMP thread."""
     drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values back to the host (`tolist`, `item`, `int()`, `bool()`, ...)
+    made inside the forward of any transformer layer of `model` — each one a device sync on GPU.
+    Use as a context manager around the calls."""
+
+    READS = frozenset({"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu"})
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        super().__init__()
+        self.depth, self.reads = 0, []
+        for module in model.modules():
+            if isinstance(module, TransformerLayer):
+                module.register_forward_pre_hook(lambda *_: self._enter(1))
+                module.register_forward_hook(lambda *_: self._enter(-1))
+
+    def _enter(self, step: int) -> None:
+        self.depth += step
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = getattr(func, "__name__", "")
+        if self.depth and name in self.READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))

@@ -4,11 +4,13 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
     python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUTDIR \
         NAME:TP:PP[:flag,flag...] ...
         (flags: pack, distopt, sp, cp, split; ep: EP2, etp: expert TP = TP, allgather: that
-        token dispatcher; recompute / selrecompute: full / selective activation recompute)
+        token dispatcher; recompute / selrecompute: full / selective activation recompute;
+        chunk: logits in chunks of CHUNK tokens)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
-batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them) to
-OUTDIR/NAME.pt and the HF export to OUTDIR/NAME.hf.
+batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them, the
+kinds of host reads rank 0 made inside a transformer layer's forward) to OUTDIR/NAME.pt and the
+HF export to OUTDIR/NAME.hf.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helpers import make_batch
+from helpers import HostReads, make_batch
 
 from policyworker.config import (
     MoEConfig,
@@ -48,6 +50,7 @@ BATCH, SEQ, TOPK = 8, 14, 5
 # bins, and the short rank runs fillers so that both run as many micro-batches.
 LENGTHS = [14, 13, 14, 12, 3, 4, 2, 5]
 PACK_TOKENS = 32
+CHUNK = 5  # logprob_chunk_size: divides no micro-batch's tokens
 
 
 def train(
@@ -111,6 +114,7 @@ def config(
     etp: int = 1,
     dispatcher: str = "alltoall",
     recompute: str | None = None,
+    chunk: int | None = None,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -122,6 +126,7 @@ def config(
         train_micro_batch_size=1,
         logprob_batch_size=2,
         max_total_sequence_length=32,
+        logprob_chunk_size=chunk,
         optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=distopt),
         parallel=ParallelConfig(
             tensor_model_parallel_size=tp,
@@ -163,11 +168,14 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             else "selective"
             if "selrecompute" in flags
             else None,
+            chunk=CHUNK if "chunk" in flags else None,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)
     shard = data.shard_by_batch_size(worker.dims.dp)[worker.groups.dp_rank]
-    mine = layout_results(worker, shard, split="split" in flags)
+    reads = HostReads(worker.state.model)  # in the layers' forwards: none (no device sync)
+    with reads:
+        mine = layout_results(worker, shard, split="split" in flags)
     # Data-parallel peers hold the other rows: gather them (in dp-rank order) on every rank.
     shards: list[dict[str, object]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(shards, {"dp_rank": worker.groups.dp_rank, **mine})
@@ -180,6 +188,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
     full["train"] = [s["train"] for s in shards]
     worker.save_hf_pretrained(out.with_suffix(".hf"))  # collective
     full["dims"] = worker.dims
+    full["host_reads_in_layers"] = sorted(set(reads.reads))
     if dist.get_rank() == 0:
         torch.save(full, out)
     worker.shutdown()

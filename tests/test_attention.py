@@ -47,3 +47,35 @@ def test_packed_forward_through_megatron_matches_padded(llama_dir):
         for s, start in zip(seqs, cu[:-1].tolist(), strict=True):
             alone = model(s[None, :], torch.arange(len(s), device=dev)[None, :], None)[0]
             assert (packed[start : start + len(s)] - alone).abs().max() <= 1e-5
+
+
+def test_the_context_plans_varlen_description_is_the_block_attention():
+    """What the GPU's one flash call is given — each query block's keys gathered one block
+    after another (`key_index`, `cu_q`, `cu_k`), attended causally with the mask aligned to the
+    lower right, as flash does for fewer queries than keys — equals the exact per-block path,
+    for both ranks of CP=2 over three packed sequences; and the RoPE positions are each local
+    token's position in its sequence."""
+    from policyworker.model.attention import _context_blocks_reference
+    from policyworker.parallel.context import ContextSplit, local_positions
+
+    padded, dim = (8, 4, 12), 8
+    torch.manual_seed(0)
+    key, value = torch.randn(24, 2, dim), torch.randn(24, 2, dim)
+    for rank in (0, 1):
+        split = ContextSplit(rank=rank, size=2, group=None, padded=padded)  # type: ignore[arg-type]
+        plan = split.plan(torch.device("cpu"))
+        query = torch.randn(12, 4, dim)
+        want = _context_blocks_reference(query, key, value, plan, dim**-0.5)
+        k_all, v_all = key[plan.key_index], value[plan.key_index]
+        cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
+        for j in range(len(plan.blocks)):
+            q = query[cu_q[j] : cu_q[j + 1]].transpose(0, 1)
+            k, v = (x[cu_k[j] : cu_k[j + 1]].transpose(0, 1) for x in (k_all, v_all))
+            n_q, n_k = q.shape[1], k.shape[1]
+            lower_right = torch.ones(n_q, n_k).tril(n_k - n_q).bool()
+            got = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=lower_right, scale=dim**-0.5, enable_gqa=True
+            )
+            torch.testing.assert_close(got.transpose(0, 1), want[cu_q[j] : cu_q[j + 1]])
+        whole = torch.arange(24) - torch.tensor([0] * 8 + [8] * 4 + [12] * 12)
+        assert torch.equal(plan.positions, whole[local_positions(list(padded), rank, 2)])

@@ -151,3 +151,30 @@ def test_a_policy_section_alone_is_read_too(tmp_path):
     assert cfg.worker["scheduler"]["warmup_steps"] == 13
     with pytest.raises(ValueError, match="train_global_batch_size=512"):  # the demo's 16 x 8
         load_demo_config(section, ["policy.generation.max_new_tokens=8"])
+
+
+def test_the_long_context_keys_reach_the_workers(tmp_path):
+    """As the demo's own worker overrides, and as a recipe's keys (#28)."""
+    own = load_demo_config(
+        None,
+        [
+            "worker.logprob_chunk_size=64",
+            "worker.recompute.activation_checkpointing=true",
+            "worker.recompute.recompute_num_layers=2",
+        ],
+    )
+    from_recipe = load_demo_config(
+        RECIPE,
+        [
+            "policy.logprob_chunk_size=1024",
+            "policy.megatron_cfg.activation_checkpointing=true",
+            "policy.max_total_sequence_length=64",
+            "policy.generation.max_new_tokens=8",
+        ],
+        ignore_unsupported=True,
+    )
+    for cfg, chunk in ((own, 64), (from_recipe, 1024)):
+        policy = policy_config(cfg, tmp_path)
+        assert policy.logprob_chunk_size == chunk
+        assert policy.recompute.activation_checkpointing
+    assert policy_config(own, tmp_path).recompute.recompute_num_layers == 2

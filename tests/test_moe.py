@@ -347,7 +347,7 @@ MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; megatron wants SP with TP; expe
     "ep2": (1, 1, ("ep",)),
     "ep2-packed-distributed-optimizer": (1, 1, ("ep", "pack", "distopt")),
     "tp2-sequence-parallel-allgather-dispatcher": (2, 1, ("sp", "allgather")),
-    "ep2-cp2-packed": (1, 1, ("ep", "cp", "pack")),
+    "ep2-cp2-packed-chunked": (1, 1, ("ep", "cp", "pack", "chunk")),
     "ep2-split-step": (1, 1, ("ep", "split")),
     "tp2-sequence-parallel-full-recompute": (2, 1, ("sp", "recompute")),
     "cp2-packed-selective-recompute": (1, 1, ("cp", "pack", "selrecompute")),

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.processes
 
 VOCAB = 128
 # (tp, pp, flags); dp is what remains of 2. Every layout compares to the single rank, which runs
-# unpacked with the plain optimizer.
+# unpacked with the plain optimizer and unchunked logits.
 LAYOUTS = {
     "tp2": (2, 1, ()),
     "pp2": (1, 2, ()),
@@ -27,12 +27,12 @@ LAYOUTS = {
     "dp2-packed-unequal-shards": (1, 1, ("pack",)),
     "dp2-distributed-optimizer": (1, 1, ("distopt",)),
     "tp2-sequence-parallel": (2, 1, ("sp",)),
-    "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
+    "tp2-sequence-parallel-packed-chunked": (2, 1, ("sp", "pack", "chunk")),
     "cp2": (1, 1, ("cp",)),
-    "cp2-packed": (1, 1, ("cp", "pack")),
+    "cp2-packed-chunked": (1, 1, ("cp", "pack", "chunk")),
     # split-step training: each rank streams its share in two chunks
     "dp2-split-step-packed": (1, 1, ("split", "pack")),
-    "pp2-split-step": (1, 2, ("split",)),
+    "pp2-split-step-chunked": (1, 2, ("split", "chunk")),
 }
 
 
@@ -62,7 +62,10 @@ def launch(
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-FOUR_RANKS = {"tp2-pp2-sp-packed": (2, 2, ("sp", "pack")), "cp2-tp2-packed": (2, 1, ("cp", "pack"))}
+FOUR_RANKS = {
+    "tp2-pp2-sp-packed": (2, 2, ("sp", "pack")),
+    "cp2-tp2-packed-chunked": (2, 1, ("cp", "pack", "chunk")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +95,8 @@ def test_layout_matches_single_rank(layout, tied_dir, single, two_ranks, tmp_pat
     assert (got["dims"].tp, got["dims"].pp, got["dims"].cp) == (tp, pp, cp)
     assert got["dims"].dp == 2 // (tp * pp * cp)
     _assert_matches(got, single, tied_dir, VOCAB, two_ranks / f"{layout}.hf", pp=pp)
+    if "cp" in flags:  # context parallelism: no device read in the layer loop
+        assert got["host_reads_in_layers"] == []
     if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks
         whole = single["train"][-1]["optimizer_state_bytes"]
         for rank_metrics in got["train"]:
@@ -107,15 +112,16 @@ def test_tp2_by_pp2_on_four_ranks(tied_dir, single, four_ranks):
 
 
 def test_cp2_by_tp2_on_four_ranks(tied_dir, single, four_ranks):
-    """Context parallelism composed with tensor parallelism, packed."""
-    got = results(four_ranks, "cp2-tp2-packed")
+    """Context parallelism composed with tensor parallelism, packed, logits in chunks."""
+    got = results(four_ranks, "cp2-tp2-packed-chunked")
     assert (got["dims"].tp, got["dims"].cp, got["dims"].dp) == (2, 2, 1)
-    _assert_matches(got, single, tied_dir, VOCAB, four_ranks / "cp2-tp2-packed.hf", pp=1)
+    assert got["host_reads_in_layers"] == []
+    _assert_matches(got, single, tied_dir, VOCAB, four_ranks / "cp2-tp2-packed-chunked.hf", pp=1)
 
 
 def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):
     """127 tokens over 3 ranks: the vocabulary is padded to 129; the padded columns never count
-    and the export carries the true 127 rows."""
+    (in chunked logits too) and the export carries the true 127 rows."""
     folder = make_hf_model(
         tmp_path_factory.mktemp("qwen2_odd"),
         "qwen2",
@@ -127,7 +133,7 @@ def test_tp3_on_a_vocabulary_that_3_does_not_divide(tmp_path_factory, tmp_path):
         tie_word_embeddings=True,
     )
     single = layout_results(MegatronPolicyWorker(config(str(folder), tp=1, pp=1)), fixed_batch(127))
-    launch(folder, tmp_path, {"tp3": (3, 1, ())}, nproc=3)
+    launch(folder, tmp_path, {"tp3": (3, 1, ("chunk",))}, nproc=3)
     got = results(tmp_path, "tp3")
     assert (got["dims"].tp, got["dims"].dp) == (3, 1)
     _assert_matches(got, single, folder, 127, tmp_path / "tp3.hf", pp=1)

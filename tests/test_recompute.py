@@ -15,6 +15,9 @@ from policyworker.model.attention import SDPACoreAttention
 RECOMPUTE = {
     "off": RecomputeConfig(),
     "full": RecomputeConfig(activation_checkpointing=True),
+    # both layers in one checkpoint; only the first layer recomputed
+    "uniform-2": RecomputeConfig(activation_checkpointing=True, recompute_num_layers=2),
+    "block-1": RecomputeConfig(activation_checkpointing=True, recompute_method="block"),
     "selective": RecomputeConfig(
         activation_checkpointing=True,
         recompute_granularity="selective",
@@ -26,9 +29,10 @@ RECOMPUTE = {
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_recompute_gives_the_same_gradients(tmp_path, arch, packed):
-    """Gradients of a split step's chunk (fp32 CPU) with full and selective recompute equal
-    those without, within 1e-6 of each tensor's largest; the recompute really ran (each layer's
-    attention forward twice)."""
+    """Gradients of a split step's chunk (fp32 CPU) with full (uniform over single layers or two,
+    block over the first layer) and selective recompute equal those without, within 1e-6 of each
+    tensor's largest; the recompute really ran (each recomputed layer's attention forward
+    twice)."""
     folder = make_hf_model(tmp_path / "m", arch)
     data = make_batch(batch=4, seq=12)
     packing = SequencePackingConfig(enabled=packed, train_mb_tokens=24)
@@ -38,8 +42,9 @@ def test_recompute_gives_the_same_gradients(tmp_path, arch, packed):
         count = _count_attention_forwards(worker)
         grads[name], calls[name] = _worker_grads(worker, data), count[0]
         worker.shutdown()
-    assert calls["full"] == calls["selective"] == 2 * calls["off"] > 0
-    for name in ("full", "selective"):
+    assert calls["full"] == calls["selective"] == calls["uniform-2"] == 2 * calls["off"] > 0
+    assert 2 * calls["block-1"] == 3 * calls["off"]  # one of the two layers
+    for name in RECOMPUTE:
         for key, want in grads["off"].items():
             scale = want.abs().max().clamp_min(1e-8)
             assert ((grads[name][key] - want).abs().max() / scale).item() <= 1e-6, (name, key)
@@ -82,11 +87,25 @@ def test_train_steps_with_recompute_match_and_count_each_token_once(tmp_path):
         ({"recompute_granularity": "block"}, r"recompute\.recompute_granularity: expected full or"),
         ({"recompute_modules": ["layernorm"]}, r"recompute\.recompute_modules: expected null or"),
         ({"activation_checkpointing": 1}, r"recompute\.activation_checkpointing: expected true"),
+        ({"recompute_method": "all"}, r"recompute\.recompute_method: expected uniform or block"),
+        ({"recompute_num_layers": 0}, r"recompute\.recompute_num_layers: expected an int >= 1"),
     ],
 )
 def test_recompute_options_are_checked(change, match):
     with pytest.raises(ValueError, match=match):
         RecomputeConfig(**change).validate()
+
+
+def test_more_layers_per_checkpoint_than_a_stage_holds_is_refused(llama_dir):
+    """Up front, naming the key (the model has 2 layers), before any worker is built."""
+    from policyworker.config import ParallelConfig
+    from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
+
+    shape = model_shape(load_hf_config(llama_dir))
+    too_many = RecomputeConfig(activation_checkpointing=True, recompute_num_layers=3)
+    with pytest.raises(ValueError, match=r"recompute\.recompute_num_layers: expected at most"):
+        check_layout(ParallelConfig(), shape, None, too_many)
+    check_layout(ParallelConfig(), shape, None, RecomputeConfig(recompute_num_layers=3))  # off
 
 
 def test_the_references_keys_map_to_recompute():

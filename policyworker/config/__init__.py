@@ -174,8 +174,15 @@ class RecomputeConfig:
     activation_checkpointing: bool = False
     """Recompute on (off: every activation is kept until the backward)."""
     recompute_granularity: Literal["full", "selective"] = "full"
-    """full: each whole transformer layer, keeping only its input (megatron's uniform method,
-    one layer per checkpoint, as the reference); selective: only `recompute_modules`."""
+    """full: whole transformer layers, keeping only their input (by `recompute_method`);
+    selective: only `recompute_modules`."""
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    """For full (megatron's names): uniform — every layer of a pipeline stage, in checkpoints of
+    `recompute_num_layers` layers; block — only the stage's first `recompute_num_layers` layers,
+    one per checkpoint (the others keep their activations: less recompute, more memory)."""
+    recompute_num_layers: int = 1
+    """For full: layers per checkpoint (uniform) or layers recomputed (block); at most the layers
+    of a pipeline stage. The defaults (uniform, 1) are what the reference sets."""
     recompute_modules: list[str] | None = None
     """For selective: some of core_attn, mlp, moe (None: core_attn, megatron's default)."""
 
@@ -186,6 +193,11 @@ class RecomputeConfig:
         _check(self.recompute_granularity in ("full", "selective"),
                f"{prefix}.recompute_granularity", "full or selective",
                self.recompute_granularity)  # fmt: skip
+        _check(self.recompute_method in ("uniform", "block"), f"{prefix}.recompute_method",
+               "uniform or block", self.recompute_method)  # fmt: skip
+        n = self.recompute_num_layers
+        _check(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+               f"{prefix}.recompute_num_layers", "an int >= 1", n)  # fmt: skip
         modules = self.recompute_modules
         ok = modules is None or (
             isinstance(modules, list) and all(m in RECOMPUTE_MODULES for m in modules)
@@ -306,6 +318,12 @@ class PolicyConfig:
     """Sequences per forward in `get_logprobs` / `get_topk_logits`."""
     max_total_sequence_length: int = 2048
     """Longest prompt + response a batch may hold."""
+    logprob_chunk_size: int | None = None
+    """Tokens per chunk of the logits (None: a micro-batch's logits at once). The output layer,
+    log-softmax, token logprobs, entropy and top-k run chunk by chunk, forward and backward, so
+    at most one chunk's [tokens, V/tp] logits exist at a time, in every loss's training path and
+    in get_logprobs / get_topk_logits. Costs one more output-layer matmul per chunk (the
+    backward recomputes its logits); the numbers equal unchunked ones."""
     temperature: float = 1.0
     """Generation temperature: logits are divided by it before logprobs, top-k and the loss."""
     max_grad_norm: float = 1.0
@@ -358,6 +376,9 @@ class PolicyConfig:
             f"a multiple of train_micro_batch_size={self.train_micro_batch_size}",
             self.train_global_batch_size,
         )
+        n = self.logprob_chunk_size
+        ok = n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)
+        _check(ok, "logprob_chunk_size", "null or an int >= 1 (tokens)", n)
         t, g = self.temperature, self.max_grad_norm
         _check(finite(t) and t > 0, "temperature", "a finite number > 0", t)
         _check(finite(g) and g >= 0, "max_grad_norm", "a finite number >= 0", g)

@@ -30,6 +30,7 @@ MAPPED: dict[str, str] = {
     "train_micro_batch_size": "train_micro_batch_size",
     "logprob_batch_size": "logprob_batch_size",
     "max_total_sequence_length": "max_total_sequence_length",
+    "logprob_chunk_size": "logprob_chunk_size",
     "precision": "precision",
     "max_grad_norm": "max_grad_norm",
     "generation.temperature": "temperature",
@@ -83,11 +84,13 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     # features we do not have, switched off
     "megatron_cfg.cuda_graph_impl": lambda v, p: v == "none",
     "megatron_cfg.fine_grained_activation_offloading": lambda v, p: v is False,
-    "megatron_cfg.use_fused_linear_logprobs": lambda v, p: v is False,
+    # our chunked logits are the fused output layer + logprobs (`_fused_linear_logprobs`)
+    "megatron_cfg.use_fused_linear_logprobs": lambda v, p: isinstance(v, bool),
     "megatron_cfg.mtp_num_layers": lambda v, p: v == 0,
     "megatron_cfg.gradient_accumulation_fusion": lambda v, p: v is False,
     "megatron_cfg.use_fused_weighted_squared_relu": lambda v, p: v is False,
-    "megatron_cfg.defer_fp32_logits": lambda v, p: v is False,
+    # no fp32 copy of the logits is ever made; the log-softmax accumulates in fp32 either way
+    "megatron_cfg.defer_fp32_logits": lambda v, p: isinstance(v, bool),
     "megatron_cfg.force_reconvert_from_hf": lambda v, p: v is False,  # HF weights read directly
     "megatron_cfg.optimizer.optimizer_cpu_offload": lambda v, p: v is False,
     "megatron_cfg.optimizer.optimizer_offload_fraction": lambda v, p: v == 0,
@@ -113,7 +116,7 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 # keys whose settings only act on what they belong to, which is off or absent here
 _INERT: dict[str, Callable[[dict[str, Any]], bool]] = {
     "megatron_cfg.cuda_graph_": lambda p: _mcore(p).get("cuda_graph_impl") == "none",
-    "megatron_cfg.fused_linear_logprobs_": lambda p: not _mcore(p).get("use_fused_linear_logprobs"),
+    "megatron_cfg.fused_linear_logprobs_chunk_size": lambda p: True,  # `_fused_linear_logprobs`
     "megatron_cfg.recompute_": lambda p: not _mcore(p).get("activation_checkpointing"),
     "megatron_cfg.mtp_": lambda p: not _mcore(p).get("mtp_num_layers"),
     "megatron_cfg.moe_aux_loss_coeff": lambda p: (
@@ -206,10 +209,21 @@ def policy_fields(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
                 put(ours, MAPPED[key], value)
         elif not _accepted(key, value, policy):
             unsupported.append(f"policy.{key}={value!r}")
+    _fused_linear_logprobs(policy, ours)
     if isinstance(ours.get("optimizer", {}).get("betas"), dict):  # adam_beta1 / adam_beta2
         given, default = ours["optimizer"]["betas"], OptimizerConfig().betas
         ours["optimizer"]["betas"] = [given.get(str(i), default[i]) for i in range(2)]
     return ours, unsupported
+
+
+def _fused_linear_logprobs(policy: dict[str, Any], ours: dict[str, Any]) -> None:
+    """The reference's fused output layer + logprobs (`use_fused_linear_logprobs`, chunks of
+    `fused_linear_logprobs_chunk_size` tokens) is what our `logprob_chunk_size` does on every
+    path: its chunk size is ours unless `logprob_chunk_size` is given."""
+    mcore = _mcore(policy)
+    chunk = mcore.get("fused_linear_logprobs_chunk_size")
+    if mcore.get("use_fused_linear_logprobs") and chunk and ours.get("logprob_chunk_size") is None:
+        ours["logprob_chunk_size"] = chunk
 
 
 def report_unsupported(

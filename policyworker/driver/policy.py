@@ -141,7 +141,7 @@ class Policy:
         self.shape = model_shape(
             load_hf_config(config.model_name, require_weights=weights_path is None)
         )
-        check_layout(p, self.shape, config.moe)
+        check_layout(p, self.shape, config.moe, config.recompute)
         gpus = torch.cuda.device_count()
         if backend == "local" and gpus and gpus < num_workers:
             raise ValueError(

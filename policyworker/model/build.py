@@ -20,6 +20,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -44,6 +45,7 @@ from policyworker.model.attention import SDPACoreAttention
 from policyworker.model.grouped_experts import GroupedExperts
 from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
 from policyworker.model.norm import RMSNorm
+from policyworker.ops.logprobs import Head
 from policyworker.parallel.dims import ParallelDims
 
 
@@ -101,13 +103,16 @@ def transformer_config(
 
 
 def recompute_fields(cfg: RecomputeConfig) -> dict[str, Any]:
-    """TransformerConfig's recompute settings: full (every layer, one per checkpoint, megatron's
-    uniform method: what the reference sets) or selective (the named modules); none when off."""
+    """TransformerConfig's recompute settings: full (whole layers, by `recompute_method`; the
+    defaults, uniform over single layers, are what the reference sets) or selective (the named
+    modules); none when off."""
     if not cfg.activation_checkpointing:
         return {}
     if cfg.recompute_granularity == "full":
         return dict(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+            recompute_granularity="full",
+            recompute_method=cfg.recompute_method,
+            recompute_num_layers=cfg.recompute_num_layers,
         )
     modules = ["core_attn"] if cfg.recompute_modules is None else list(cfg.recompute_modules)
     return dict(recompute_granularity="selective", recompute_modules=modules)
@@ -278,34 +283,33 @@ def global_named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:
 _EXPERTS = "mlp.experts.local_experts."
 
 
-def batch_major_logits(
+def output_head(
     *,
     hidden_states: torch.Tensor,
     output_layer: ColumnParallelLinear,
     output_weight: torch.Tensor | None,
-    runtime_gather_output: bool | None,
     **unused: Any,
-) -> torch.Tensor:
-    """GPTModel `output_processor`: logits [B, S, V/tp] from the decoder's [S, B, H] output.
+) -> Head:
+    """GPTModel `output_processor`: the last stage's output as a `Head` — the decoder's final
+    hidden states, batch-major [B, S, H], and this TP rank's output-layer rows [V/tp, H] — so
+    the logits are made where they are read, chunk by chunk (`ops.logprobs`).
 
-    megatron's default makes [S, B, V] logits, then a contiguous [B, S, V] copy of them: the
-    largest tensor of the step copied once in forward and again in backward. Transposing the
-    hidden states instead moves H/V as many bytes (1.6% for Llama 3's vocabulary).
-
-    With sequence parallelism the hidden states arrive as [S/tp, B, H]: they are all-gathered
-    along the sequence first (whose backward reduce-scatters, summing the TP ranks' partial
-    gradients), then multiplied by this rank's vocabulary slice directly.
+    Batch-major: megatron's default makes [S, B, V] logits, then a contiguous [B, S, V] copy of
+    them; transposing the hidden states instead moves H/V as many bytes. The TP wiring is the
+    output layer's own: under sequence parallelism the hidden states arrive as [S/tp, B, H] and
+    are all-gathered along the sequence (the backward reduce-scatters, summing the TP ranks'
+    partial gradients); otherwise the backward all-reduces them over TP.
     """
     if output_layer.sequence_parallel:
-        full = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True)
-        weight = output_layer.weight if output_weight is None else output_weight
-        return F.linear(_SwapSeqBatch.apply(full), weight)
-    logits, _ = output_layer(
-        _SwapSeqBatch.apply(hidden_states),
-        weight=output_weight,
-        runtime_gather_output=runtime_gather_output,
-    )
-    return logits
+        hidden = gather_from_sequence_parallel_region(
+            hidden_states, tensor_parallel_output_grad=True
+        )
+    elif output_layer.tp_group is not None and output_layer.tp_group.size() > 1:
+        hidden = copy_to_tensor_model_parallel_region(hidden_states, group=output_layer.tp_group)
+    else:
+        hidden = hidden_states
+    weight = output_layer.weight if output_weight is None else output_weight
+    return Head(_SwapSeqBatch.apply(hidden), weight)
 
 
 class _SwapSeqBatch(torch.autograd.Function):

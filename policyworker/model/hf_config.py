@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from policyworker.config import MoEConfig, ParallelConfig
+from policyworker.config import MoEConfig, ParallelConfig, RecomputeConfig
 from policyworker.ops.packed import round_up
 
 
@@ -247,11 +247,17 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(medium, smoothed, scaled)
 
 
-def check_layout(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig | None = None) -> None:
+def check_layout(
+    parallel: ParallelConfig,
+    shape: ModelShape,
+    moe: MoEConfig | None = None,
+    recompute: RecomputeConfig | None = None,
+) -> None:
     """Refuse a layout this model cannot be split into, naming the config field.
 
     TP splits the heads, query groups and ffn (the vocabulary is padded to a multiple of TP);
-    PP the layers; EP the experts and ETP each expert's ffn.
+    PP the layers; EP the experts and ETP each expert's ffn. Full recompute's layer count fits
+    in a pipeline stage.
     """
     field = "parallel.{}_size".format
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -280,6 +286,13 @@ def check_layout(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig | N
         raise ValueError(
             f"{field('pipeline_model_parallel')}: expected a divisor of "
             f"num_layers={shape.num_layers}, got {pp}"
+        )
+    r, per_stage = recompute or RecomputeConfig(), shape.num_layers // pp
+    full = r.activation_checkpointing and r.recompute_granularity == "full"
+    if full and r.recompute_num_layers > per_stage:
+        raise ValueError(
+            f"recompute.recompute_num_layers: expected at most the {per_stage} layers of a "
+            f"pipeline stage, got {r.recompute_num_layers}"
         )
 
 

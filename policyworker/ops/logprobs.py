@@ -1,11 +1,19 @@
-"""Token logprobs, top-k and entropy from vocab-parallel logits.
+"""Token logprobs, top-k and entropy from vocab-parallel logits, computed chunk by chunk.
 
-Logits arrive as megatron's output layer leaves them: `[B, S, V/tp]`, this TP rank's slice of the
-vocabulary. The logit passes are `cuda_compiled`: on GPU each is one fused kernel reading the
-(bf16) logits once, with no fp32 [B, S, V] copy. Everything here is exact under any TP size: the
-log-softmax reduces the row max (all-reduce MAX), the sum of exp and the picked logits (all-reduce
-SUM) over the TP group, and every backward is local, e.g. `(onehot - softmax) / temperature` on
-each rank's slice. Top-k gathers the per-rank candidates.
+A micro-batch's logits are `hidden @ W.T`, with W this TP rank's rows of the vocabulary
+[V/tp, H]. A `Head` holds the two factors; `logprobs_at`, `entropy` and `topk` take the logits
+`chunk_tokens` rows at a time: the output layer's matmul, the log-softmax and the picks run per
+chunk and only [N]-sized statistics survive a chunk. The backward recomputes each chunk's logits
+and forms the chunk's gradient for the hidden states and for W, so no more than one chunk's
+logits exist at any time, forward or backward (`chunk_tokens=None`: one chunk, whose logits are
+kept for the backward, as a plain matmul would). `Head.of_logits` wraps logits that are already
+there (the logits-level functions at the end).
+
+Everything is exact under any TP size: the log-softmax reduces the row max (all-reduce MAX), the
+sum of exp and the picked logits (all-reduce SUM) over the TP group; every backward is local,
+e.g. `(onehot - softmax) / temperature` on each rank's slice. Top-k gathers the per-rank
+candidates. The logit passes are `cuda_compiled`: on GPU each is one fused kernel reading the
+(bf16) logits once, with no fp32 [N, V] copy.
 
 Alignment (docs/semantics.md): `logprobs[:, i] = log p(ids[:, i] | ids[:, :i])`, position 0 is 0;
 entropy, top-k and index logprobs at i describe the distribution of token i+1 (the logits at i).
@@ -13,12 +21,46 @@ entropy, top-k and index logprobs at i describe the distribution of token i+1 (t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from policyworker.ops.compiled import cuda_compiled
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogitOptions:
+    """How logits are read: temperature, the vocabulary's TP split, and the chunk size."""
+
+    temperature: float
+    tp_group: dist.ProcessGroup | None
+    tp_rank: int = 0
+    vocab_size: int | None = None
+    """The true vocabulary: columns past it (the output layer's TP padding) never count."""
+    chunk_tokens: int | None = None
+    """Logit rows per chunk; None: all rows at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A micro-batch's logits, `hidden @ weight.T` ([B, S, V/tp]), not computed yet."""
+
+    hidden: torch.Tensor
+    """[B, S, H] final hidden states, batch-major (all-gathered under sequence parallelism)."""
+    weight: torch.Tensor | None
+    """[V/tp, H] this TP rank's output-layer rows; None: `hidden` are the logits themselves."""
+
+    @classmethod
+    def of_logits(cls, logits: torch.Tensor) -> Head:
+        return cls(logits, None)
+
+    @property
+    def part(self) -> int:
+        """Vocabulary columns of this TP rank (padding included)."""
+        return self.hidden.shape[-1] if self.weight is None else self.weight.shape[0]
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -30,7 +72,7 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 def _max_and_picked(
     x: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, inv_t: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row max [N] and the logits at `target` [N, k] (0 where this rank does not own the id)."""
+    """Row max [n] and the logits at `target` [n, k] (0 where this rank does not own the id)."""
     x32 = _wide(x) * inv_t
     picked = x32.gather(-1, target)
     return x32.amax(-1), torch.where(inside, picked, torch.zeros_like(picked))
@@ -38,11 +80,20 @@ def _max_and_picked(
 
 @cuda_compiled
 def _sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
-    return torch.exp(_wide(x) * inv_t - row_max[:, None]).sum(-1)
+    """[1, n]: sum(exp(x / T - max))."""
+    return torch.exp(_wide(x) * inv_t - row_max[:, None]).sum(-1)[None]
 
 
 @cuda_compiled
-def _grad_logits_one(
+def _exp_sums(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """[2, n]: sum(e) and sum(e * y) with y = x / T - max, e = exp(y) (the second for entropy)."""
+    y = _wide(x) * inv_t - row_max[:, None]
+    e = torch.exp(y)
+    return torch.stack([e.sum(-1), (e * y).sum(-1)])
+
+
+@cuda_compiled
+def _grad_one(
     x: torch.Tensor,
     lse: torch.Tensor,
     target: torch.Tensor,
@@ -58,7 +109,7 @@ def _grad_logits_one(
 
 
 @cuda_compiled
-def _grad_logits_many(
+def _grad_many(
     x: torch.Tensor,
     lse: torch.Tensor,
     target: torch.Tensor,
@@ -73,109 +124,8 @@ def _grad_logits_many(
     return out.to(x.dtype)
 
 
-class _IndexLogprobs(torch.autograd.Function):
-    """lp[n, j] = x[n, target[n, j]] / T - logsumexp(x[n] / T), x vocab-parallel [N, V/tp] whose
-    first column is vocabulary id `vocab_start`."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        x: torch.Tensor,
-        target: torch.Tensor,
-        inv_t: float,
-        tp_group: dist.ProcessGroup | None,
-        vocab_start: int,
-    ) -> torch.Tensor:
-        part = x.shape[-1]
-        local = target - vocab_start
-        inside = (local >= 0) & (local < part)
-        local = local.clamp(0, part - 1)
-        row_max, picked = _max_and_picked(x, local, inside, inv_t)
-        parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
-        if parallel:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-            dist.all_reduce(picked, group=tp_group)
-        total = _sum_exp(x, row_max, inv_t)
-        if parallel:
-            dist.all_reduce(total, group=tp_group)
-        lse = row_max + total.log()
-        ctx.save_for_backward(x, lse, local, inside)
-        ctx.inv_t = inv_t
-        return picked - lse[:, None]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, lse, local, inside = ctx.saved_tensors
-        kernel = _grad_logits_one if local.shape[-1] == 1 else _grad_logits_many
-        grad_x = kernel(x, lse, local, inside, grad.contiguous(), ctx.inv_t)
-        return grad_x, None, None, None, None
-
-
-def vocab_slice(
-    logits: torch.Tensor, tp_rank: int, vocab_size: int | None
-) -> tuple[torch.Tensor, int]:
-    """(this rank's columns that are real vocabulary, the id of its first column). The output
-    layer has the vocabulary padded to a multiple of TP; padded columns never count."""
-    part = logits.shape[-1]
-    start = tp_rank * part
-    if vocab_size is not None and start + part > vocab_size:
-        logits = logits[..., : vocab_size - start]
-    return logits, start
-
-
-def token_logprobs(
-    logits: torch.Tensor,
-    input_ids: torch.Tensor,
-    *,
-    temperature: float,
-    tp_group: dist.ProcessGroup | None,
-    tp_rank: int,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """fp32 logprobs [B, S] of `input_ids` under `logits / temperature` [B, S, V/tp]; differentiable.
-
-    Runs over all S positions (the last one's target is a dummy and its value is dropped), so the
-    logits need no slicing and their gradient no scatter back into a padded tensor.
-    """
-    b, s, _ = logits.shape
-    x, start = vocab_slice(logits, tp_rank, vocab_size)
-    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(b, 1)], dim=1)  # next token
-    lp = _IndexLogprobs.apply(
-        x.reshape(b * s, -1), targets.reshape(-1, 1), 1.0 / temperature, tp_group, start
-    ).reshape(b, s)
-    return torch.cat([lp.new_zeros(b, 1), lp[:, :-1]], dim=1)
-
-
-def index_logprobs(
-    logits: torch.Tensor,
-    indices: torch.Tensor,
-    *,
-    temperature: float,
-    tp_group: dist.ProcessGroup | None,
-    tp_rank: int,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """fp32 `log softmax(logits / T)` at vocabulary ids `indices` [B, S, k] (global ids), per
-    position and unshifted; differentiable. Each TP rank gathers the ids it owns; only the
-    log-normalizer and the gathered values cross ranks, never a [B, S, V] tensor."""
-    b, s, _ = logits.shape
-    k = indices.shape[-1]
-    x, start = vocab_slice(logits, tp_rank, vocab_size)
-    return _IndexLogprobs.apply(
-        x.reshape(b * s, -1), indices.reshape(-1, k), 1.0 / temperature, tp_group, start
-    ).reshape(b, s, k)
-
-
 @cuda_compiled
-def _entropy_sums(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
-    """[2, N]: sum(e) and sum(e * y) with y = x / T - max, e = exp(y)."""
-    y = _wide(x) * inv_t - row_max[:, None]
-    e = torch.exp(y)
-    return torch.stack([e.sum(-1), (e * y).sum(-1)])
-
-
-@cuda_compiled
-def _entropy_grad(
+def _grad_entropy(
     x: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, grad: torch.Tensor, inv_t: float
 ) -> torch.Tensor:
     """dH/dx = -p (log p + H) / T, times the incoming grad."""
@@ -184,78 +134,221 @@ def _entropy_grad(
     return (-p * (logp + entropy[:, None]) * (grad * inv_t)[:, None]).to(x.dtype)
 
 
-class _Entropy(torch.autograd.Function):
-    """H[n] = -sum_v p log p of softmax(x[n] / T), x vocab-parallel [N, V/tp]."""
+def _spans(n: int, chunk: int | None) -> list[tuple[int, int]]:
+    """Row ranges of the chunks (one, possibly empty, range when unchunked)."""
+    if chunk is None or chunk >= n:
+        return [(0, n)]
+    return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor | None, cols: int) -> torch.Tensor:
+    """One chunk's logits, the real vocabulary columns only."""
+    if weight is None:
+        return hidden[:, :cols]
+    return F.linear(hidden, weight[:cols])
+
+
+def _reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+@dataclass(frozen=True, slots=True)
+class _Picks:
+    """What a chunk's backward needs besides its logits."""
+
+    lse: torch.Tensor  # [n] log-normalizer of logits / T
+    entropy: torch.Tensor | None  # [n]
+    local: torch.Tensor  # [n, k] ids as this rank's columns (clamped)
+    inside: torch.Tensor  # [n, k] whether this rank owns the id
+
+
+def _grad_chunk(
+    x: torch.Tensor,
+    p: _Picks,
+    grad_lp: torch.Tensor | None,
+    grad_ent: torch.Tensor | None,
+    inv_t: float,
+) -> torch.Tensor:
+    """d/dx of sum_j grad_lp_j * lp_j + grad_ent * H for one chunk's logits x."""
+    out = None
+    if grad_lp is not None and grad_lp.shape[-1] > 0:
+        kernel = _grad_one if grad_lp.shape[-1] == 1 else _grad_many
+        out = kernel(x, p.lse, p.local, p.inside, grad_lp, inv_t)
+    if grad_ent is not None:
+        assert p.entropy is not None
+        g = _grad_entropy(x, p.lse, p.entropy, grad_ent, inv_t)
+        out = g if out is None else out + g
+    return torch.zeros_like(x) if out is None else out
+
+
+class _ChunkedStats(torch.autograd.Function):
+    """(lp [N, k], entropy [N] or None) of softmax(hidden @ weight.T / T) at global ids `target`,
+    chunk by chunk; see the module docstring. `cols`: this rank's real vocabulary columns, the
+    first of which is id `start`."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, inv_t: float, tp_group: dist.ProcessGroup | None
-    ) -> torch.Tensor:
-        parallel = tp_group is not None and dist.get_world_size(tp_group) > 1
-        row_max = (_wide(x.amax(-1)) * inv_t).contiguous()
-        if parallel:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp_group)
-        sums = _entropy_sums(x, row_max, inv_t)
-        if parallel:
-            dist.all_reduce(sums, group=tp_group)
-        z, ey = sums
-        entropy = z.log() - ey / z
-        ctx.save_for_backward(x, row_max + z.log(), entropy)
-        ctx.inv_t = inv_t
-        return entropy
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor | None,
+        target: torch.Tensor,
+        opts: LogitOptions,
+        cols: int,
+        start: int,
+        want_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx.set_materialize_grads(False)
+        inv_t = 1.0 / opts.temperature
+        local = target - start
+        inside = (local >= 0) & (local < cols)
+        local = local.clamp(0, max(cols - 1, 0))
+        n = hidden.shape[0]
+        spans = _spans(n, opts.chunk_tokens)
+        lse = hidden.new_empty(n, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        lp = lse.new_empty(target.shape)
+        entropy = lse.new_empty(n) if want_entropy else None
+        kept = None
+        for a, b in spans:
+            x = _logits(hidden[a:b], weight, cols)
+            row_max, picked = _max_and_picked(x, local[a:b], inside[a:b], inv_t)
+            _reduce(row_max, opts.tp_group, dist.ReduceOp.MAX)
+            _reduce(picked, opts.tp_group)
+            sums = (_exp_sums if want_entropy else _sum_exp)(x, row_max, inv_t)
+            _reduce(sums, opts.tp_group)
+            lse[a:b] = row_max + sums[0].log()
+            lp[a:b] = picked - lse[a:b, None]
+            if entropy is not None:
+                entropy[a:b] = sums[0].log() - sums[1] / sums[0]
+            # one chunk: keep its logits for the backward; several: each is recomputed there
+            kept = x if len(spans) == 1 else None
+        ctx.save_for_backward(hidden, weight, kept, lse, entropy, local, inside)
+        ctx.opts, ctx.cols = opts, cols
+        return lp, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, lse, entropy = ctx.saved_tensors
-        return _entropy_grad(x, lse, entropy, grad.contiguous(), ctx.inv_t), None, None
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_lp: torch.Tensor | None, grad_ent: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, kept, lse, entropy, local, inside = ctx.saved_tensors
+        opts, cols = ctx.opts, ctx.cols
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        spans = _spans(hidden.shape[0], opts.chunk_tokens)
+        grad_w = None
+        if want_w:  # [V/tp, H]; the chunks' parts add up in fp32, one chunk's is one matmul
+            wide = weight.dtype if len(spans) == 1 else torch.float32
+            grad_w = weight.new_zeros(weight.shape, dtype=torch.promote_types(wide, weight.dtype))
+        for a, b in spans:
+            x = kept if kept is not None else _logits(hidden[a:b], weight, cols)
+            picks = _Picks(
+                lse[a:b], None if entropy is None else entropy[a:b], local[a:b], inside[a:b]
+            )
+            gx = _grad_chunk(
+                x,
+                picks,
+                None if grad_lp is None else grad_lp[a:b].contiguous(),
+                None if grad_ent is None else grad_ent[a:b].contiguous(),
+                1.0 / opts.temperature,
+            )
+            if weight is None:  # `hidden` are the logits
+                if grad_h is not None:
+                    grad_h[a:b, :cols] = gx
+                continue
+            if grad_h is not None:
+                grad_h[a:b] = gx @ weight[:cols]
+            if grad_w is not None:
+                grad_w[:cols] += gx.t() @ hidden[a:b]
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
 
 
-def vocab_parallel_entropy(
-    logits: torch.Tensor,
-    *,
-    temperature: float,
-    tp_group: dist.ProcessGroup | None,
-    tp_rank: int = 0,
-    vocab_size: int | None = None,
-) -> torch.Tensor:
-    """Entropy [B, S] of softmax(logits / temperature) at every position; differentiable."""
-    b, s, _ = logits.shape
-    x, _ = vocab_slice(logits, tp_rank, vocab_size)
-    return _Entropy.apply(x.reshape(b * s, -1), 1.0 / temperature, tp_group).reshape(b, s)
+def _vocab_part(head: Head, opts: LogitOptions) -> tuple[int, int]:
+    """(this rank's real vocabulary columns, the global id of its first column). The output
+    layer pads the vocabulary to a multiple of TP; padded columns never count."""
+    start = opts.tp_rank * head.part
+    if opts.vocab_size is None:
+        return head.part, start
+    return max(0, min(head.part, opts.vocab_size - start)), start
 
 
-def topk_logits(
-    logits: torch.Tensor,
-    k: int,
-    *,
-    temperature: float,
-    tp_group: dist.ProcessGroup | None,
-    tp_rank: int,
-    vocab_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Global top-k `(values, indices)` [B, S, k] of `logits / temperature` over the full vocabulary.
+def logprobs_at(
+    head: Head, ids: torch.Tensor, opts: LogitOptions, *, entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`log softmax(logits / T)` at global vocabulary ids `ids` [B, S, k], and with `entropy`
+    the entropy [B, S]) at each position, unshifted, fp32, differentiable. Each TP rank gathers
+    the ids it owns; only the log-normalizer and the picked values cross ranks."""
+    b, s, _ = head.hidden.shape
+    k = ids.shape[-1]
+    cols, start = _vocab_part(head, opts)
+    lp, ent = _ChunkedStats.apply(
+        head.hidden.reshape(b * s, -1),
+        head.weight,
+        ids.reshape(b * s, k),
+        opts,
+        cols,
+        start,
+        entropy,
+    )
+    return lp.reshape(b, s, k), None if ent is None else ent.reshape(b, s)
 
-    Each rank takes its local top-k, the candidates are all-gathered, and the top-k of those wins.
-    Position i holds the distribution for token i+1 (the logits at i), unshifted.
-    """
-    x, start = vocab_slice(logits, tp_rank, vocab_size)
+
+def topk(head: Head, k: int, opts: LogitOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k `(values, indices)` [B, S, k] of `logits / temperature` over the full
+    vocabulary, chunk by chunk: each rank keeps its local top-k of each chunk, the candidates are
+    all-gathered once, and the top-k of those wins. Position i holds the distribution of token
+    i+1 (the logits at i)."""
+    b, s, _ = head.hidden.shape
+    hidden = head.hidden.reshape(b * s, -1)
+    cols, start = _vocab_part(head, opts)
     # Every rank offers the same number of candidates (all_gather wants equal shapes); a rank
     # with fewer real columns than that offers -inf for the rest.
-    local_k = min(k, logits.shape[-1])
-    vals, idx = (x.float() / temperature).topk(min(local_k, x.shape[-1]), dim=-1)
-    if vals.shape[-1] < local_k:
-        missing = local_k - vals.shape[-1]
-        vals = torch.cat([vals, vals.new_full((*vals.shape[:-1], missing), float("-inf"))], -1)
-        idx = torch.cat([idx, idx.new_zeros((*idx.shape[:-1], missing))], -1)
-    idx = idx + start  # global vocabulary ids
-    world = 1 if tp_group is None else dist.get_world_size(tp_group)
+    local_k, taken = min(k, head.part), min(k, cols)
+    vals = hidden.new_full((b * s, local_k), float("-inf"), dtype=torch.float32)
+    idx = torch.zeros((b * s, local_k), dtype=torch.int64, device=hidden.device)
+    with torch.no_grad():
+        for a, e in _spans(b * s, opts.chunk_tokens):
+            x = _logits(hidden[a:e], head.weight, cols)
+            v, i = (x.float() / opts.temperature).topk(taken, dim=-1)
+            vals[a:e, :taken], idx[a:e, :taken] = v, i + start
+    world = 1 if opts.tp_group is None else dist.get_world_size(opts.tp_group)
     if world > 1:
         all_vals = [torch.empty_like(vals) for _ in range(world)]
         all_idx = [torch.empty_like(idx) for _ in range(world)]
-        dist.all_gather(all_vals, vals.contiguous(), group=tp_group)
-        dist.all_gather(all_idx, idx.contiguous(), group=tp_group)
+        dist.all_gather(all_vals, vals, group=opts.tp_group)
+        dist.all_gather(all_idx, idx, group=opts.tp_group)
         vals, idx = torch.cat(all_vals, dim=-1), torch.cat(all_idx, dim=-1)
     if k > vals.shape[-1]:
         raise ValueError(f"k={k} is larger than the vocabulary ({vals.shape[-1]})")
     top, pos = vals.topk(k, dim=-1)
-    return top, idx.gather(-1, pos)
+    return top.reshape(b, s, k), idx.gather(-1, pos).reshape(b, s, k)
+
+
+# --- the same on logits that exist already ([B, S, V/tp]) ---------------------------------------
+
+
+def index_logprobs(logits: torch.Tensor, indices: torch.Tensor, **tp: Any) -> torch.Tensor:
+    """fp32 `log softmax(logits / T)` at vocabulary ids `indices` [B, S, k]; see `logprobs_at`.
+    `tp`: the fields of `LogitOptions`."""
+    return logprobs_at(Head.of_logits(logits), indices, LogitOptions(**tp))[0]
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, **tp: Any) -> torch.Tensor:
+    """Entropy [B, S] of softmax(logits / temperature) at every position; differentiable."""
+    empty = logits.new_zeros((*logits.shape[:2], 0), dtype=torch.int64)
+    ent = logprobs_at(Head.of_logits(logits), empty, LogitOptions(**tp), entropy=True)[1]
+    assert ent is not None
+    return ent
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, **tp: Any) -> torch.Tensor:
+    """fp32 logprobs [B, S] of `input_ids` (shifted: position 0 is 0); differentiable."""
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    lp = index_logprobs(logits, targets[..., None], **tp)[..., 0]
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp[:, :-1]], dim=1)
+
+
+def topk_logits(logits: torch.Tensor, k: int, **tp: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k `(values, indices)` [B, S, k] of `logits / temperature`; see `topk`."""
+    return topk(Head.of_logits(logits), k, LogitOptions(**tp))

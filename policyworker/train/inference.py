@@ -15,7 +15,7 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
-from policyworker.ops.logprobs import topk_logits
+from policyworker.ops.logprobs import Head, LogitOptions, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
 from policyworker.train.schedule import MicrobatchFn, loss_inputs, run_microbatches, split_evenly
 
@@ -28,7 +28,7 @@ class Collector:
     plan: MicrobatchPlan
     groups: Groups
     device: torch.device
-    temperature: float
+    logits: LogitOptions
     vocab_size: int
     max_seq_len: int
     default_mbs: int
@@ -49,17 +49,8 @@ class Collector:
         """[B, S] fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""
         needs = LossNeeds(logprobs=True)
 
-        def fn(
-            logits: torch.Tensor, mb: Microbatch
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            lp = loss_inputs(
-                logits,
-                mb,
-                needs,
-                temperature=self.temperature,
-                groups=self.groups,
-                vocab_size=self.vocab_size,
-            ).logprobs
+        def fn(head: Head, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            lp = loss_inputs(head, mb, needs, self.logits).logprobs
             assert lp is not None
             return lp.new_zeros(()), {"logprobs": lp}
 
@@ -68,19 +59,9 @@ class Collector:
 
     def topk(self, data: BatchedDataDict, mbs: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, S, k] logits / temperature and their vocabulary ids, largest first."""
-        g = self.groups
 
-        def fn(
-            logits: torch.Tensor, mb: Microbatch
-        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-            vals, idx = topk_logits(
-                logits,
-                k,
-                temperature=self.temperature,
-                tp_group=g.tp,
-                tp_rank=g.tp_rank,
-                vocab_size=self.vocab_size,
-            )
+        def fn(head: Head, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            vals, idx = topk(head, k, self.logits)
             vals, idx = mb.unpack(mb.gather(vals)), mb.unpack(mb.gather(idx))
             return vals.new_zeros(()), {"topk_logits": vals, "topk_indices": idx}
 

@@ -19,15 +19,15 @@ from megatron.core.utils import get_model_config
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossInputs, LossNeeds
-from policyworker.model.build import batch_major_logits
-from policyworker.ops.logprobs import index_logprobs, vocab_parallel_entropy
+from policyworker.model.build import output_head
+from policyworker.ops.logprobs import Head, LogitOptions, logprobs_at
 from policyworker.parallel.dims import Groups
 
 log = logging.getLogger(__name__)
 
-# (logits [B, S, V/tp] or packed [1, T, V/tp], micro-batch) -> (loss scalar, metrics); the loss
-# is ignored when forward-only.
-MicrobatchFn = Callable[[torch.Tensor, Microbatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# (the logits of [B, S] or packed [1, T] tokens, still as hidden states and output rows; the
+# micro-batch) -> (loss scalar, metrics); the loss is ignored when forward-only.
+MicrobatchFn = Callable[[Head, Microbatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def run_microbatches(
@@ -37,7 +37,8 @@ def run_microbatches(
     *,
     forward_only: bool,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run `fn` on each micro-batch's logits via megatron's schedule; returns its metrics dicts."""
+    """Run `fn` on each micro-batch's output `Head` via megatron's schedule; returns its
+    metrics dicts."""
     it: Iterator[Microbatch] = iter(microbatches)
     device = microbatches[0].data["input_ids"].device
     moe = get_model_config(model).num_moe_experts is not None
@@ -47,17 +48,17 @@ def run_microbatches(
         ids, pos, packed = mb.model_inputs(device)
         # routers see which tokens are padding (their token counts leave them out)
         extra = {"padding_mask": mb.padding_mask(device)} if moe else {}
-        # [B, S, V/tp] (packed: [1, T, V/tp]) on the last stage, hidden states on the others
-        logits = model(
-            ids, pos, None, packed_seq_params=packed, output_processor=batch_major_logits, **extra
+        # a Head on the last stage (logits made where they are read), hidden states on the others
+        output = model(
+            ids, pos, None, packed_seq_params=packed, output_processor=output_head, **extra
         )
 
-        def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        def loss_func(output: Head) -> tuple[torch.Tensor, torch.Tensor, dict]:
             loss, metrics = fn(output, mb)
             # 3-tuple form: megatron neither divides by micro-batch count nor token count.
             return loss, torch.ones((), dtype=torch.int, device=loss.device), metrics
 
-        return logits, loss_func
+        return output, loss_func
 
     shapes = [mb.model_shape for mb in microbatches]
     return get_forward_backward_func()(
@@ -71,37 +72,29 @@ def run_microbatches(
     )
 
 
-def loss_inputs(
-    logits: torch.Tensor,
-    mb: Microbatch,
-    needs: LossNeeds,
-    *,
-    temperature: float,
-    groups: Groups,
-    vocab_size: int,
-) -> LossInputs:
-    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`.
-    `vocab_size` is the true vocabulary: columns past it (TP padding) never count."""
-    tp = {
-        "temperature": temperature,
-        "tp_group": groups.tp,
-        "tp_rank": groups.tp_rank,
-        "vocab_size": vocab_size,
-    }
-    logprobs = entropy = at_ids = None
+def loss_inputs(head: Head, mb: Microbatch, needs: LossNeeds, opts: LogitOptions) -> LossInputs:
+    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`: one
+    chunked pass over the logits picks the next tokens' and the index ids' logprobs together."""
+    whole = mb.pack(mb.data["input_ids"])  # the whole sequence, [b, T] (or padded [n, S])
+    parts = [whole[..., None][..., :0]]  # none: the entropy alone
     if needs.logprobs:
-        ids = mb.pack(mb.data["input_ids"])  # the whole sequence, [b, T] (or padded [n, S])
-        targets = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # next tokens
-        # log p(next token) at every position this rank computed, then the whole sequence
-        raw = mb.gather(index_logprobs(logits, mb.to_local(targets)[..., None], **tp)[..., 0])
-        lp = mb.unpack(torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1))
-        # Packed, a row's position 0 read the previous row's last logits: 0 by definition.
-        logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
-    if needs.entropy:
-        entropy = mb.unpack(mb.gather(vocab_parallel_entropy(logits, **tp)))
+        parts.append(torch.cat([whole[:, 1:], torch.zeros_like(whole[:, :1])], dim=1)[..., None])
     if needs.index_key is not None:
-        ids = mb.to_local(mb.pack(mb.data[needs.index_key]))
-        at_ids = mb.unpack(mb.gather(index_logprobs(logits, ids, **tp)))
+        parts.append(mb.pack(mb.data[needs.index_key]))
+    ids = mb.to_local(torch.cat(parts, dim=-1))
+    picked, ent = logprobs_at(head, ids, opts, entropy=needs.entropy)
+    picked = mb.gather(picked)  # [b, T, 1 + k] of the whole sequence
+    logprobs = at_ids = entropy = None
+    if needs.logprobs:
+        # log p(next token) at i, moved to i+1, then to rows; packed, a row's position 0 read
+        # the previous row's last logits: 0 by definition
+        raw = picked[..., 0]
+        lp = mb.unpack(torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1))
+        logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
+    if needs.index_key is not None:
+        at_ids = mb.unpack(picked[..., int(needs.logprobs) :])
+    if ent is not None:
+        entropy = mb.unpack(mb.gather(ent))
     return LossInputs(logprobs=logprobs, entropy=entropy, index_logprobs=at_ids)
 
 

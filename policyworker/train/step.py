@@ -34,6 +34,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import EPS, Loss, LossInputs
+from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.schedule import (
@@ -103,8 +104,7 @@ def add_chunk(
     *,
     plan: MicrobatchPlan,
     groups: Groups,
-    temperature: float,
-    vocab_size: int,
+    logits: LogitOptions,
 ) -> None:
     """Forward/backward one chunk of this rank's share (already validated and prepared);
     gradients accumulate locally. Every DP rank adds its chunk at the same time."""
@@ -113,15 +113,8 @@ def add_chunk(
     counts = step.spec.known_counts or {name: torch.ones_like(v) for name, v in local.items()}
     records: list[tuple[LossInputs, Mapping[str, torch.Tensor]]] = []
 
-    def fn(logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inputs = loss_inputs(
-            logits,
-            mb,
-            loss_fn.needs,
-            temperature=temperature,
-            groups=groups,
-            vocab_size=vocab_size,
-        )
+    def fn(head: Head, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        inputs = loss_inputs(head, mb, loss_fn.needs, logits)
         loss, _ = loss_fn(inputs, mb.data, counts)
         records.append((_detached(inputs), mb.data))
         return loss, {}

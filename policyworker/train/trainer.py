@@ -22,6 +22,7 @@ from policyworker.data.contract import validate_batch
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
 from policyworker.model.routing import RouteCounts
+from policyworker.ops.logprobs import LogitOptions
 from policyworker.parallel.dims import Groups
 from policyworker.train.optimizer import optimizer_state_bytes
 from policyworker.train.step import (
@@ -46,7 +47,8 @@ class TrainSettings:
     """Default global batch (rows over all DP ranks)."""
     mbs: int
     """Default micro-batch (rows)."""
-    temperature: float
+    logits: LogitOptions
+    """Temperature, vocabulary split and chunking of the logits."""
     max_grad_norm: float
     vocab_size: int
     max_seq_len: int
@@ -212,8 +214,7 @@ class Trainer:
                 data,
                 plan=self.plan,
                 groups=self.groups,
-                temperature=self.settings.temperature,
-                vocab_size=self.settings.vocab_size,
+                logits=self.settings.logits,
             )
         except BaseException as e:
             self._step = None
