@@ -29,6 +29,7 @@ from policyworker.model.hf_config import (
     model_shape,
 )
 from policyworker.model.reference import ReferenceWeights
+from policyworker.model.replay import Replay
 from policyworker.model.routing import RouteCounts
 from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_hf_weights
 from policyworker.ops.logprobs import LogitOptions
@@ -42,6 +43,7 @@ from policyworker.train.optimizer import (
     optimizer_tensors,
     wrap_ddp,
 )
+from policyworker.train.schedule import RouteSpec
 from policyworker.train.trainer import Trainer, TrainSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -185,7 +187,9 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
     return refit, memory, checkpoints
 
 
-def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer | None:
+def build_trainer(
+    w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: RouteSpec | None
+) -> Trainer | None:
     """The optimizer step's owner (None for a worker without an optimizer)."""
     if state.ddp is None:
         return None
@@ -197,6 +201,7 @@ def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer
         max_grad_norm=c.max_grad_norm,
         vocab_size=w.shape.vocab_size,
         max_seq_len=c.max_total_sequence_length,
+        router_replay=c.moe.router_replay,
     )
     moe = w.shape.moe
     routes = None
@@ -213,10 +218,13 @@ def build_trainer(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Trainer
         device=w.device,
         settings=settings,
         routes=routes,
+        replay=routers,
     )
 
 
-def build_collector(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Collector:
+def build_collector(
+    w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: RouteSpec | None
+) -> Collector:
     return Collector(
         model=state.forward_model,
         plan=plan,
@@ -226,6 +234,26 @@ def build_collector(w: Parts, state: PolicyState, plan: MicrobatchPlan) -> Colle
         vocab_size=w.shape.vocab_size,
         max_seq_len=w.cfg.max_total_sequence_length,
         default_mbs=w.cfg.logprob_batch_size,
+        routes=routers,
+        router_replay=w.cfg.moe.router_replay,
+    )
+
+
+def build_routers(w: Parts, state: PolicyState) -> RouteSpec | None:
+    """An MoE model's routers, each given our extension (`model/replay.py`: replay, balancing
+    losses); None for a dense model."""
+    moe = w.shape.moe
+    if moe is None:
+        return None
+    balance = w.cfg.moe.balance
+    coeff = None if balance == "none" else w.cfg.moe.moe_aux_loss_coeff
+    replay = Replay(state.model, moe_layers=moe.layers, balance_coeff=coeff)
+    return RouteSpec(
+        replay_layers=replay,
+        num_layers=sum(moe.layers),
+        topk=moe.top_k,
+        experts=moe.num_experts,
+        balance=balance,
     )
 
 

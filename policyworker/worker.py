@@ -59,8 +59,9 @@ class MegatronPolicyWorker:
         self.state = assembly.build_state(
             parts, hf_weights, init_optimizer=init_optimizer, init_reference=init_reference_model
         )
-        self.trainer = assembly.build_trainer(parts, self.state, self.plan)
-        self.collector = assembly.build_collector(parts, self.state, self.plan)
+        routers = assembly.build_routers(parts, self.state)
+        self.trainer = assembly.build_trainer(parts, self.state, self.plan, routers)
+        self.collector = assembly.build_collector(parts, self.state, self.plan, routers)
         self.refit, self.memory, self.checkpoints = assembly.build_services(parts, self.state)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint, optimizer_path)
@@ -85,19 +86,23 @@ class MegatronPolicyWorker:
     # --- inference -------------------------------------------------------------------------------
 
     def get_logprobs(
-        self, *, data: BatchedDataDict, micro_batch_size: int | None = None
-    ) -> BatchedDataDict:
-        """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i; 0 at 0 and past the end."""
+        self, *, data: BatchedDataDict, micro_batch_size: int | None = None,
+        require_router_replay: bool = True, return_routes: bool = False,
+    ) -> BatchedDataDict:  # fmt: skip
+        """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i; 0 at 0 and past the end
+        (+ the routes used, `routed_experts`); `moe.router_replay`: replays the batch's routes."""
         self.memory.require("get_logprobs", "params")
-        mbs = self.collector.check(data, micro_batch_size)
-        return BatchedDataDict({"logprobs": self.collector.logprobs(data, mbs)})
+        replay = require_router_replay and self.cfg.moe.router_replay
+        mbs = self.collector.check(data, micro_batch_size, replay=replay, record=return_routes)
+        return self.collector.logprobs(data, mbs, replay=replay, record=return_routes)
 
     def get_reference_policy_logprobs(
         self, *, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
         """`{"reference_logprobs": [B, S]}`: `get_logprobs` under the reference weights."""
-        with self.use_reference_model():
-            out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size)
+        with self.use_reference_model():  # its routers choose (no replay, as NeMo-RL)
+            out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size,
+                                    require_router_replay=False)  # fmt: skip
         return BatchedDataDict({"reference_logprobs": out["logprobs"]})
 
     @contextlib.contextmanager
@@ -114,8 +119,7 @@ class MegatronPolicyWorker:
     ) -> BatchedDataDict:
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
         self.memory.require("get_topk_logits", "params")
-        mbs = self.collector.check(data, micro_batch_size, k)
-        vals, idx = self.collector.topk(data, mbs, k)
+        vals, idx = self.collector.topk(data, self.collector.check(data, micro_batch_size, k), k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
     # --- training (policyworker.train.Trainer) ---------------------------------------------------
@@ -277,7 +281,7 @@ class MegatronPolicyWorker:
         self.memory.require("nccl_reshard_refit", "params")
         return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
 
-    # --- checkpoints (policyworker.checkpoint) ---------------------------------------------------
+    # --- checkpoints (policyworker.checkpoint) and HF export -------------------------------------
 
     def save_checkpoint(
         self,
@@ -317,8 +321,6 @@ class MegatronPolicyWorker:
         opt = None if optimizer_path is None else Path(optimizer_path)
         manifest = self.checkpoints.load(Path(weights_path), opt)
         self.refit.version = int(manifest["weight_version"])
-
-    # --- export ----------------------------------------------------------------------------------
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""

@@ -5,7 +5,8 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
         NAME:TP:PP[:flag,flag...] ...
         (flags: pack, distopt, sp, cp, split; ep: EP2, etp: expert TP = TP, allgather: that
         token dispatcher; recompute / selrecompute: full / selective activation recompute;
-        chunk: logits in chunks of CHUNK tokens)
+        chunk: logits in chunks of CHUNK tokens; replay: router replay of the routes chosen on
+        the first call; seqaux: a per-sequence load-balancing loss)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them, the
@@ -69,10 +70,14 @@ def train(
 def layout_results(
     worker: MegatronPolicyWorker, data: BatchedDataDict, split: bool = False
 ) -> dict[str, object]:
-    """What every layout must agree on, for this rank's `data`."""
-    out: dict[str, object] = {
-        "logprobs": worker.get_logprobs(data=data, micro_batch_size=1)["logprobs"]
-    }
+    """What every layout must agree on, for this rank's `data`. Under router replay, the routes
+    its routers chose on the first call, then every call and step replays them."""
+    out: dict[str, object] = {}
+    if worker.cfg.moe.router_replay:
+        own = worker.get_logprobs(data=data, require_router_replay=False, return_routes=True)
+        out["routes"] = own["routed_experts"]
+        data = BatchedDataDict({**data, "routed_experts": own["routed_experts"]})
+    out |= {"logprobs": worker.get_logprobs(data=data, micro_batch_size=1)["logprobs"]}
     topk = worker.get_topk_logits(data=data, k=TOPK)
     out["topk_logits"], out["topk_indices"] = topk["topk_logits"], topk["topk_indices"]
     out["reference_logprobs"] = worker.get_reference_policy_logprobs(data=data)[
@@ -82,7 +87,8 @@ def layout_results(
     out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
     # One step of each other loss (their gradients show in grad_norm), in a fixed order.
     out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
-    out["logprobs_final"] = worker.get_logprobs(data=data)["logprobs"]
+    # as the routers choose (transformers' logprobs of the export route on their own too)
+    out["logprobs_final"] = worker.get_logprobs(data=data, require_router_replay=False)["logprobs"]
     return out
 
 
@@ -115,6 +121,8 @@ def config(
     dispatcher: str = "alltoall",
     recompute: str | None = None,
     chunk: int | None = None,
+    replay: bool = False,
+    seq_aux: bool = False,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -137,7 +145,12 @@ def config(
             sequence_parallel=sp,
         ),
         sequence_packing=packing,
-        moe=MoEConfig(moe_token_dispatcher_type=dispatcher),
+        moe=MoEConfig(
+            moe_token_dispatcher_type=dispatcher,
+            router_replay=replay,
+            moe_router_load_balancing_type="seq_aux_loss" if seq_aux else "none",
+            moe_aux_loss_coeff=0.1 if seq_aux else 0.0,
+        ),
         recompute=RecomputeConfig(
             activation_checkpointing=recompute is not None,
             recompute_granularity=recompute or "full",
@@ -169,6 +182,8 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             if "selrecompute" in flags
             else None,
             chunk=CHUNK if "chunk" in flags else None,
+            replay="replay" in flags,
+            seq_aux="seqaux" in flags,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

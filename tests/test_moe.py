@@ -95,13 +95,13 @@ def test_gradients_of_a_loss_equal_transformers(moe_dir, tmp_path):
     assert compared == len(grads) and any(".experts." in n for n in grads)
 
 
-def _worker_grads(worker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
+def _worker_grads(worker, data: BatchedDataDict, mbs: int = 2) -> dict[str, torch.Tensor]:
     """HF-named gradients of the worker's NLLLoss on `data`, unnormalized (a split step opened,
     one chunk added, the step dropped)."""
     from policyworker.model.build import global_named_parameters
     from policyworker.model.weights import export_hf_weights
 
-    worker.begin_train_step(NLLLoss(), gbs=4, mbs=2)
+    worker.begin_train_step(NLLLoss(), gbs=4, mbs=mbs)
     worker.train_microbatch(data)
     params = global_named_parameters(worker.state.model)
     grads = {n: p.main_grad for n, p in params.items()}
@@ -336,28 +336,29 @@ def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
 
 MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; megatron wants SP with TP; experts whole
     # (expert TP 1) unless "etp"
-    "tp2-sequence-parallel": (2, 1, ("sp",)),
+    "tp2-sequence-parallel-seq-aux-loss": (2, 1, ("sp", "seqaux")),
     "pp2": (1, 2, ()),
     "dp2": (1, 1, ()),
-    "dp2-packed": (1, 1, ("pack",)),
-    "tp2-sequence-parallel-packed": (2, 1, ("sp", "pack")),
-    "cp2-packed": (1, 1, ("cp", "pack")),
-    "pp2-split-step": (1, 2, ("split",)),
+    "dp2-packed-seq-aux-loss": (1, 1, ("pack", "seqaux")),
+    "tp2-sequence-parallel-packed-replay": (2, 1, ("sp", "pack", "replay")),
+    "cp2-packed-seq-aux-loss": (1, 1, ("cp", "pack", "seqaux")),
+    "pp2-split-step-replay": (1, 2, ("split", "replay")),
     "tp2-sequence-parallel-expert-tp2": (2, 1, ("sp", "etp")),
     "ep2": (1, 1, ("ep",)),
     "ep2-packed-distributed-optimizer": (1, 1, ("ep", "pack", "distopt")),
     "tp2-sequence-parallel-allgather-dispatcher": (2, 1, ("sp", "allgather")),
-    "ep2-cp2-packed-chunked": (1, 1, ("ep", "cp", "pack", "chunk")),
+    "ep2-cp2-packed-chunked-replay": (1, 1, ("ep", "cp", "pack", "chunk", "replay")),
     "ep2-split-step": (1, 1, ("ep", "split")),
-    "tp2-sequence-parallel-full-recompute": (2, 1, ("sp", "recompute")),
+    "tp2-sequence-parallel-full-recompute-replay": (2, 1, ("sp", "recompute", "replay")),
     "cp2-packed-selective-recompute": (1, 1, ("cp", "pack", "selrecompute")),
 }
 
 
 @pytest.fixture(scope="module")
 def moe_layouts(tmp_path_factory):
-    """Qwen2-MoE (routed and shared experts, tied embeddings) on one rank and on every two-rank
-    layout of `MOE_LAYOUTS` (one launch of tests/multirank.py)."""
+    """Qwen2-MoE (routed and shared experts, tied embeddings) on one rank (plain, with router
+    replay, with a per-sequence load-balancing loss) and on every two-rank layout of
+    `MOE_LAYOUTS` (one launch of tests/multirank.py)."""
     from multirank import config, fixed_batch, layout_results
     from test_parallel import VOCAB, launch
 
@@ -366,9 +367,13 @@ def moe_layouts(tmp_path_factory):
     folder = make_hf_model(
         tmp_path_factory.mktemp("moe_tied"), "qwen2_moe", vocab_size=VOCAB, tie_word_embeddings=True
     )
-    single = layout_results(
-        MegatronPolicyWorker(config(str(folder), tp=1, pp=1)), fixed_batch(VOCAB)
-    )
+    single = {  # by (router replay, a per-sequence load-balancing loss)
+        (replay, seq_aux): layout_results(
+            MegatronPolicyWorker(config(str(folder), tp=1, pp=1, replay=replay, seq_aux=seq_aux)),
+            fixed_batch(VOCAB),
+        )
+        for replay, seq_aux in ((False, False), (True, False), (False, True))
+    }
     out = tmp_path_factory.mktemp("moe_two_ranks")
     launch(folder, out, MOE_LAYOUTS, nproc=2)
     return folder, single, out
@@ -386,7 +391,7 @@ MOE_FOUR_RANKS = {  # expert parallel beside TP, DP and PP
     "ep2-tp2-sequence-parallel": (2, 1, ("sp", "ep")),
     "ep2-expert-tp2-tp2-sequence-parallel": (2, 1, ("sp", "ep", "etp")),
     "ep2-dp4": (1, 1, ("ep",)),
-    "ep2-pp2-packed": (1, 2, ("ep", "pack")),
+    "ep2-pp2-packed-replay": (1, 2, ("ep", "pack", "replay")),
 }
 
 
@@ -411,15 +416,23 @@ def test_moe_expert_parallel_layouts_on_four_ranks_match_one_rank(moe_four_ranks
 def _assert_layout_matches(results, layouts, layout) -> None:
     from test_parallel import VOCAB, _assert_matches
 
-    folder, single, out = results
-    tp, pp, _ = layouts[layout]
+    folder, singles, out = results
+    tp, pp, flags = layouts[layout]
+    single = singles["replay" in flags, "seqaux" in flags]
     got = torch.load(out / f"{layout}.pt", weights_only=False)
     assert (got["dims"].tp, got["dims"].pp) == (tp, pp)
     _assert_matches(got, single, folder, VOCAB, out / f"{layout}.hf", pp=pp)
+    metrics = ROUTE_METRICS
+    if "replay" in flags:  # the routes it chose are one rank's, and every step replayed them
+        assert torch.equal(got["routes"], single["routes"])
+        metrics += ("moe_replay_route_differs_fraction",)
+    if "seqaux" in flags:  # the per-sequence balancing loss does not depend on the layout
+        metrics += ("moe_aux_loss",)
     for step, want in enumerate(single["train"]):  # every token reached the same experts
         for rank_metrics in got["train"]:
-            for key in ROUTE_METRICS:
-                assert rank_metrics[step][key] == pytest.approx(want[key], rel=1e-9), (step, key)
+            for key in metrics:
+                rel = 1e-6 if key == "moe_aux_loss" else 1e-9  # a float sum; the rest counts
+                assert rank_metrics[step][key] == pytest.approx(want[key], rel=rel), (step, key)
 
 
 ROUTE_METRICS = (

@@ -147,18 +147,41 @@ class MoEConfig:
     """How tokens reach their experts' EP ranks: all-to-all of each token to its experts, or
     all-gather of every token to every EP rank (no pipeline parallelism: megatron's allgather
     dispatcher needs fixed sequence lengths)."""
+    moe_router_load_balancing_type: Literal["none", "aux_loss", "seq_aux_loss"] = "none"
+    """The routers' load-balancing loss: none; aux_loss — over each micro-batch's tokens
+    (megatron's and the reference's definition: it depends on how the batch is cut);
+    seq_aux_loss — over each sequence (independent of micro-batches, packing and DP)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Its weight; the gradient is normalized by the step's loss tokens, as the main loss."""
+    router_replay: bool = False
+    """Router replay (R3; the reference's `router_replay.enabled`): get_logprobs and train take
+    a batch's `routed_experts` [B, S, L, K] — the experts a generation engine sent each token
+    to, in each MoE layer — and route exactly so; a token's row of -1 is left to the router."""
 
     def validate(self, prefix: str = "moe") -> None:
         _check(isinstance(self.freeze_moe_router, bool), f"{prefix}.freeze_moe_router",
                "true or false", self.freeze_moe_router)  # fmt: skip
         _check(isinstance(self.moe_grouped_gemm, bool), f"{prefix}.moe_grouped_gemm",
                "true or false", self.moe_grouped_gemm)  # fmt: skip
+        _check(isinstance(self.router_replay, bool), f"{prefix}.router_replay",
+               "true or false", self.router_replay)  # fmt: skip
+        kinds = ("none", "aux_loss", "seq_aux_loss")
+        _check(self.moe_router_load_balancing_type in kinds,
+               f"{prefix}.moe_router_load_balancing_type", f"one of {kinds}",
+               self.moe_router_load_balancing_type)  # fmt: skip
+        c = self.moe_aux_loss_coeff
+        _check(finite(c) and c >= 0, f"{prefix}.moe_aux_loss_coeff", "a finite number >= 0", c)
         _check(self.moe_token_dispatcher_type in ("alltoall", "allgather"),
                f"{prefix}.moe_token_dispatcher_type", "alltoall or allgather",
                self.moe_token_dispatcher_type)  # fmt: skip
         dtypes = (None, "fp32", "fp64")
         _check(self.moe_router_dtype in dtypes, f"{prefix}.moe_router_dtype",
                "fp32, fp64 or null", self.moe_router_dtype)  # fmt: skip
+
+    @property
+    def balance(self) -> str:
+        """The load-balancing loss in effect ("none" without a positive coefficient)."""
+        return "none" if self.moe_aux_loss_coeff == 0 else self.moe_router_load_balancing_type
 
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe")

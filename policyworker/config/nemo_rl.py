@@ -44,6 +44,9 @@ MAPPED: dict[str, str] = {
     "megatron_cfg.sequence_parallel": "parallel.sequence_parallel",
     "megatron_cfg.freeze_moe_router": "moe.freeze_moe_router",
     "megatron_cfg.moe_router_dtype": "moe.moe_router_dtype",
+    "router_replay.enabled": "moe.router_replay",
+    "megatron_cfg.moe_router_load_balancing_type": "moe.moe_router_load_balancing_type",
+    "megatron_cfg.moe_aux_loss_coeff": "moe.moe_aux_loss_coeff",
     "megatron_cfg.activation_checkpointing": "recompute.activation_checkpointing",
     "megatron_cfg.recompute_granularity": "recompute.recompute_granularity",
     "megatron_cfg.recompute_modules": "recompute.recompute_modules",
@@ -102,8 +105,7 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     # the logprobs of get_logprobs are of the unfiltered distribution
     "generation.top_p": lambda v, p: v == 1.0,
     "generation.top_k": lambda v, p: v is None,
-    # mixture of experts: what we run (no load-balancing loss, no expert bias, no DeepEP)
-    "megatron_cfg.moe_router_load_balancing_type": lambda v, p: v == "none",
+    # mixture of experts: what we run (no expert bias, no DeepEP)
     "megatron_cfg.moe_router_bias_update_rate": lambda v, p: v == 0,
     "megatron_cfg.moe_router_enable_expert_bias": lambda v, p: v is False,
     "megatron_cfg.moe_enable_deepep": lambda v, p: v is False,
@@ -119,9 +121,6 @@ _INERT: dict[str, Callable[[dict[str, Any]], bool]] = {
     "megatron_cfg.fused_linear_logprobs_chunk_size": lambda p: True,  # `_fused_linear_logprobs`
     "megatron_cfg.recompute_": lambda p: not _mcore(p).get("activation_checkpointing"),
     "megatron_cfg.mtp_": lambda p: not _mcore(p).get("mtp_num_layers"),
-    "megatron_cfg.moe_aux_loss_coeff": lambda p: (
-        _mcore(p).get("moe_router_load_balancing_type", "none") == "none"
-    ),
     "megatron_cfg.optimizer.sgd_": lambda p: (
         _mcore(p).get("optimizer", {}).get("optimizer") == "adam"
     ),

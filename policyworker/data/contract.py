@@ -138,3 +138,25 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor {list(value.shape)} {value.dtype}"
     return type(value).__name__
+
+
+ROUTES = "routed_experts"
+"""[B, S, L, K] ints: the K experts each token was sent to in each of the L MoE layers (a
+generation engine's routes, for router replay); a token's row of all -1 is left to the router."""
+
+
+def check_routes(data: Any, *, layers: int, topk: int, experts: int) -> None:
+    """`routed_experts` against the model: [B, S, layers, topk] integers, each token's row in a
+    layer either K distinct expert ids in [0, experts) or all -1. Raises `BatchValidationError`."""
+    b, s = data["input_ids"].shape
+    routes = data.get(ROUTES)
+    _check_shape(ROUTES, routes, (b, s, layers, topk), integer=True)
+    missing = routes < 0
+    if ((routes < -1) | (routes >= experts)).any():
+        _fail(ROUTES, f"expert ids in [0, {experts}) or -1", f"range [{int(routes.min())}, "
+              f"{int(routes.max())}]")  # fmt: skip
+    if (missing.any(-1) & ~missing.all(-1)).any():
+        _fail(ROUTES, "each token's top-k all given or all -1", "a row with some -1")
+    ordered = routes.sort(dim=-1).values
+    if ((ordered[..., 1:] == ordered[..., :-1]) & ~missing[..., 1:]).any():
+        _fail(ROUTES, f"{topk} distinct experts per token and layer", "a repeated expert id")

@@ -24,6 +24,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import ROUTES
 from policyworker.data.packing import PACKERS, PackedLayout, sorted_cuts
 from policyworker.ops.packed import round_up
 from policyworker.parallel.context import ContextGroup, ContextSplit
@@ -94,6 +95,24 @@ class Microbatch:
         lengths = self.data["input_lengths"] if self.rows else torch.zeros(ids.shape[0])
         valid = torch.arange(ids.shape[1], device=device)[None, :] < lengths.to(device)[:, None]
         return ~self.to_local(self.pack(valid))
+
+    def routes(self) -> torch.Tensor | None:
+        """The rows' `routed_experts` [b, t, L, K] in the model's input layout (None when the
+        batch has none); -1 where no row's token is (packing gaps: the router chooses there)."""
+        if ROUTES not in self.data:
+            return None
+        return self.to_local(self.pack(self.data[ROUTES] + 1) - 1)
+
+    def segments(self, per_sequence: bool) -> tuple[torch.Tensor, int]:
+        """Load-balancing segments [b, t] in the model's input layout and their number: each
+        real token's row (`per_sequence`) or 0 (the whole micro-batch is one); -1 elsewhere."""
+        ids = self.data["input_ids"]
+        lengths = self.data["input_lengths"] if self.rows else torch.zeros_like(ids[:, 0])
+        n, s = ids.shape
+        valid = torch.arange(s, device=ids.device)[None, :] < lengths[:, None]
+        rows = torch.arange(n, device=ids.device)[:, None] if per_sequence else 0
+        seg = torch.where(valid, rows, -1)
+        return self.to_local(self.pack(seg + 1) - 1), (n if per_sequence else 1)
 
     def pack(self, rows: torch.Tensor) -> torch.Tensor:
         """Per-row values [n, S, ...] in the model's layout (the whole sequence)."""

@@ -303,6 +303,8 @@ def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) 
         for name, size in (("expert_model_parallel", ep), ("expert_tensor_parallel", etp)):
             if size != 1:
                 raise ValueError(f"{field(name)}: expected 1 (a dense model), got {size}")
+        if moe.router_replay:
+            raise ValueError("moe.router_replay: expected false (a dense model has no routers)")
         return
     if shape.moe.num_experts % ep:
         raise ValueError(

@@ -5,7 +5,8 @@ expert); the hook adds up each expert's real tokens (the micro-batch's padding m
 padding and fillers) in the forwards that build a backward (an `eval_mode` step counts none).
 `take` sums the counts over every rank — pipeline stages hold different layers, data/context-
 parallel ranks (and tensor-parallel ones under sequence parallelism) different tokens — and turns
-them into the step's metrics.
+them into the step's metrics; under router replay, also the fraction of replayed tokens whose
+route is not the one the router would have chosen.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from policyworker.model.replay import LayerReplay
 
 
 class RouteCounts:
@@ -28,9 +31,13 @@ class RouteCounts:
         device = next(model.parameters()).device
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         self.moe_layers = torch.zeros(num_layers, dtype=torch.bool, device=device)
+        # replayed tokens, and those whose replayed route is not the router's own choice
+        self.replayed = torch.zeros(2, dtype=torch.int64, device=device)
+        self.routers: list[torch.nn.Module] = []
         for layer in model.decoder.layers:
             if isinstance(layer.mlp, MoELayer):
                 self.moe_layers[layer.layer_number - 1] = True
+                self.routers.append(layer.mlp.router)
                 layer.mlp.router.register_forward_hook(self._counter(layer.layer_number - 1))
 
     def _counter(self, index: int) -> Any:
@@ -41,32 +48,53 @@ class RouteCounts:
                 return
             routing_map = output[1]  # [tokens, experts]
             padding = args[1] if len(args) > 1 else None  # MoELayer.route passes it positionally
-            if padding is not None:
-                routing_map = routing_map & ~padding.reshape(-1, 1)
-            self.counts[index] += routing_map.sum(dim=0)
+            real = torch.ones_like(routing_map[:, 0]) if padding is None else ~padding.reshape(-1)
+            self.counts[index] += (routing_map & real[:, None]).sum(dim=0)
+            replay = router.router_replay
+            if isinstance(replay, LayerReplay) and replay.differs is not None:
+                self.replayed += torch.stack([real.sum(), (replay.differs & real).sum()])
 
         return hook
 
     def reset(self) -> None:
         self.counts.zero_()
+        self.replayed.zero_()
+        self._balance_total()  # dropped
 
-    def take(self) -> dict[str, float]:
+    def _balance_total(self) -> torch.Tensor:
+        """The load-balancing terms of this rank's routers since the last call (summed)."""
+        total = self.counts.new_zeros((), dtype=torch.float64)
+        for router in self.routers:
+            balance = router.router_replay.balance if router.router_replay else None
+            if balance is not None and balance.total is not None:
+                total += balance.total.double()
+                balance.total = None
+        return total
+
+    def take(self, loss_tokens: float) -> dict[str, float]:
         """The step's `moe_tokens_per_expert_min` / `_max` (over every MoE layer's experts) and
-        `_cv` (each layer's std / mean over its experts, averaged over layers); collective over
-        the world. The counts start again from zero."""
-        total = self.counts.clone()
-        self.counts.zero_()
+        `_cv` (each layer's std / mean over its experts, averaged over layers), and with a
+        load-balancing loss `moe_aux_loss` (its value per MoE layer: the terms over the step's
+        `loss_tokens`); collective over the world. The counts start again from zero."""
+        balance = self._balance_total()
+        total, replayed = self.counts.clone(), self.replayed.clone()
+        self.reset()
         moe = self.moe_layers.to(torch.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-            dist.all_reduce(moe)
+            for t in (total, moe, replayed, balance):
+                dist.all_reduce(t)
         per_layer = (total[moe > 0] // self.copies).double()
         if per_layer.numel() == 0 or per_layer.sum() == 0:  # no MoE layer, or a forward-only step
             return {}
         mean = per_layer.mean(dim=1).clamp_min(1e-12)
         cv = per_layer.std(dim=1, correction=0) / mean
-        return {
+        out = {
             "moe_tokens_per_expert_min": float(per_layer.min()),
             "moe_tokens_per_expert_max": float(per_layer.max()),
             "moe_tokens_per_expert_cv": float(cv.mean()),
         }
+        if replayed[0] > 0:  # tokens of replayed forwards, over layers
+            out["moe_replay_route_differs_fraction"] = float(replayed[1] / replayed[0])
+        if any(r.router_replay and r.router_replay.balance for r in self.routers):
+            out["moe_aux_loss"] = float(balance) / (loss_tokens + 1e-8) / int((moe > 0).sum())
+        return out

@@ -10,14 +10,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import validate_batch
+from policyworker.data.contract import ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
 from policyworker.ops.logprobs import Head, LogitOptions, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
-from policyworker.train.schedule import MicrobatchFn, loss_inputs, run_microbatches, split_evenly
+from policyworker.train.schedule import (
+    MicrobatchFn,
+    RouteSpec,
+    Routing,
+    loss_inputs,
+    run_microbatches,
+    split_evenly,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,21 +40,47 @@ class Collector:
     vocab_size: int
     max_seq_len: int
     default_mbs: int
+    routes: RouteSpec | None = None
+    """An MoE model's routers (replay and record); None for a dense model."""
+    router_replay: bool = False
+    """`moe.router_replay`: a replaying collection needs the batch's `routed_experts`."""
 
-    def check(self, data: BatchedDataDict, micro_batch_size: int | None, k: int = 1) -> int:
-        """Validate a collection's batch (`BatchValidationError`), micro-batch size and top-k;
+    def check(
+        self,
+        data: BatchedDataDict,
+        micro_batch_size: int | None,
+        k: int = 1,
+        *,
+        replay: bool = False,
+        record: bool = False,
+    ) -> int:
+        """Validate a collection's batch (`BatchValidationError`), micro-batch size and top-k,
+        and what its routers do (replay: the batch's `routed_experts`; record: an MoE model);
         returns the micro-batch size."""
         if not isinstance(k, int) or not 1 <= k <= self.vocab_size:
             raise ValueError(f"k: expected an int in [1, {self.vocab_size}], got {k!r}")
         mbs = self.default_mbs if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
-        validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        if record and self.routes is None:
+            raise ValueError("return_routes: the model has no experts (no routes to return)")
+        required = (ROUTES,) if replay else ()
+        validate_batch(
+            data, required=required, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
+        )
+        if replay:
+            assert self.routes is not None
+            r = self.routes
+            check_routes(data, layers=r.num_layers, topk=r.topk, experts=r.experts)
         self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
         return mbs
 
-    def logprobs(self, data: BatchedDataDict, mbs: int) -> torch.Tensor:
-        """[B, S] fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length."""
+    def logprobs(
+        self, data: BatchedDataDict, mbs: int, *, replay: bool = False, record: bool = False
+    ) -> BatchedDataDict:
+        """`logprobs` [B, S] fp32: log p(token_i | tokens_<i) at i, 0 at 0 and past the length;
+        with `record` (an MoE model) `routed_experts`, the routes used [B, S, L, K] (-1 past the
+        length). `replay`: the routers take the batch's `routed_experts`."""
         needs = LossNeeds(logprobs=True)
 
         def fn(head: Head, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -54,8 +88,11 @@ class Collector:
             assert lp is not None
             return lp.new_zeros(()), {"logprobs": lp}
 
-        (logprobs,) = self.collect(data, mbs, fn, outputs={"logprobs": torch.float32})
-        return logprobs
+        routing = self.routes.routing(replay=replay, record=record) if self.routes else None
+        logprobs, *routes = self.collect(
+            data, mbs, fn, outputs={"logprobs": torch.float32}, routing=routing
+        )
+        return BatchedDataDict({"logprobs": logprobs, **({ROUTES: routes[0]} if routes else {})})
 
     def topk(self, data: BatchedDataDict, mbs: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, S, k] logits / temperature and their vocabulary ids, largest first."""
@@ -77,27 +114,63 @@ class Collector:
         *,
         outputs: dict[str, torch.dtype],
         trailing: tuple[int, ...] = (),
+        routing: Routing | None = None,
     ) -> list[torch.Tensor]:
         """Forward-only over micro-batches; each of `outputs` (per-row tensors that `fn`
-        returns as metrics) assembled on CPU as [B, S, *trailing], 0 past each length."""
+        returns as metrics) assembled on CPU as [B, S, *trailing], 0 past each length; then,
+        if `routing` records, the routes used [B, S, L, K]."""
         self.model.eval()
-        names = ("input_ids", "input_lengths")
+        names = ["input_ids", "input_lengths"] + ([ROUTES] if routing and routing.replay else [])
         batch = BatchedDataDict({k: data[k] for k in names}).to(self.device)
         if self.groups.ep_size > 1:  # every forward exchanges tokens with the other EP ranks
             microbatches = split_evenly(batch, self.plan, mbs, 1, self.groups, train=False)
         else:
             microbatches = self.plan.split(batch, train=False, mbs=mbs)
         with torch.no_grad():
-            stores = run_microbatches(self.model, microbatches, fn, forward_only=True)
+            stores = run_microbatches(
+                self.model, microbatches, fn, forward_only=True, routing=routing
+            )
         b, s = data["input_ids"].shape
-        valid = torch.arange(s)[None, :] < data["input_lengths"].cpu()[:, None]  # [B, S]
         result = []
         for key, dtype in outputs.items():
-            out = torch.zeros((b, s, *trailing), dtype=dtype)  # on CPU: [B, S, k] can be large
-            for mb, st in zip(microbatches, stores, strict=False):  # stores: last stage only
-                part = st[key].cpu()
-                for i, row in enumerate(mb.rows):  # row copies: CPU advanced indexing is slow
-                    out[row, : part.shape[1]] = part[i]
-            out.masked_fill_(~valid.reshape(b, s, *[1] * len(trailing)), 0)
+            parts = [st[key] for st in stores]  # stores: last stage only
+            out = _rows(microbatches, parts, data["input_lengths"], (b, s, *trailing), dtype, 0)
             result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
+        if routing is not None and routing.record:
+            result.append(self._routes(microbatches, data, routing))
         return result
+
+    def _routes(
+        self, microbatches: list[Microbatch], data: BatchedDataDict, routing: Routing
+    ) -> torch.Tensor:
+        """The recorded routes, [B, S, L, K] on CPU: each pipeline stage's MoE layers merged
+        (-1 elsewhere), -1 past each length."""
+        b, s = data["input_ids"].shape
+        shape = (b, s, routing.num_layers, routing.topk)
+        lengths = data["input_lengths"]
+        out = _rows(microbatches, routing.recorded, lengths, shape, torch.int64, -1)
+        if self.groups.pp is not None and dist.get_world_size(self.groups.pp) > 1:
+            merged = out.to(self.device)
+            dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=self.groups.pp)
+            out = merged.cpu()
+        return out
+
+
+def _rows(
+    microbatches: list[Microbatch],
+    parts: list[torch.Tensor],
+    lengths: torch.Tensor,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    fill: float,
+) -> torch.Tensor:
+    """Per-micro-batch [n, S', ...] results in the batch's row order on CPU ([B, S, ...] can be
+    large), `fill` past each row's length."""
+    out = torch.full(shape, fill, dtype=dtype)
+    for mb, part in zip(microbatches, parts, strict=False):
+        part = part.cpu()
+        for i, row in enumerate(mb.rows):  # row copies: CPU advanced indexing is slow
+            out[row, : part.shape[1]] = part[i]
+    b, s = shape[:2]
+    valid = torch.arange(s)[None, :] < lengths.cpu()[:, None]  # [B, S]
+    return out.masked_fill_(~valid.reshape(b, s, *[1] * (len(shape) - 2)), fill)

@@ -33,11 +33,12 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
-from policyworker.losses.common import EPS, Loss, LossInputs
+from policyworker.losses.common import EPS, Loss, LossInputs, valid_counts
 from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.schedule import (
+    Routing,
     loss_inputs,
     per_microbatch,
     reduce_metrics,
@@ -73,6 +74,9 @@ class StepSpec:
     eval_mode: bool = False
     known_counts: dict[str, torch.Tensor] | None = None
     """Global counts given up front (losses without one normalizer); None: normalize at finish."""
+    balance_scale: float = 1.0
+    """What an MoE load-balancing loss's gradient is multiplied by, so that after the step's
+    normalization it is divided by the loss tokens (`balance_scale_for`)."""
 
 
 @dataclass(slots=True)
@@ -105,6 +109,7 @@ def add_chunk(
     plan: MicrobatchPlan,
     groups: Groups,
     logits: LogitOptions,
+    routing: Routing | None = None,
 ) -> None:
     """Forward/backward one chunk of this rank's share (already validated and prepared);
     gradients accumulate locally. Every DP rank adds its chunk at the same time."""
@@ -121,7 +126,7 @@ def add_chunk(
 
     microbatches = split_evenly(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
     ddp.train()
-    run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode)
+    run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode, routing=routing)
     for name, value in local.items():
         step.local_counts[name] = step.local_counts.get(name, 0) + value.detach().float()
     step.rows += batch.size
@@ -187,6 +192,22 @@ def zero_grads(ddp: torch.nn.Module, optimizer: Any) -> None:
     and scheduler untouched), so that outside a step the gradients are zero."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
+
+
+def balance_scale_for(
+    loss_fn: Loss, batch: BatchedDataDict, known: dict[str, torch.Tensor] | None, groups: Groups
+) -> float:
+    """The load-balancing gradient's scale for a step of `batch` (this rank's share of a global
+    batch): 1 / loss tokens with counts given up front, else loss normalizer / loss tokens (the
+    finish divides every gradient by the normalizer). Collective over DP."""
+    toks = sum_over_dp(valid_counts(batch), groups.dp)["global_valid_toks"]
+    if known is not None:
+        return 1.0 / (float(toks) + EPS)
+    normalizer = loss_fn.normalizer
+    assert normalizer is not None
+    if normalizer == "global_valid_toks":
+        return 1.0
+    return float(sum_over_dp(loss_fn.counts(batch), groups.dp)[normalizer]) / (float(toks) + EPS)
 
 
 def known_counts_for(

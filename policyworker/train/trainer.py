@@ -18,18 +18,20 @@ import torch
 
 from policyworker.config import finite
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import validate_batch
+from policyworker.data.contract import ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
 from policyworker.model.routing import RouteCounts
 from policyworker.ops.logprobs import LogitOptions
 from policyworker.parallel.dims import Groups
 from policyworker.train.optimizer import optimizer_state_bytes
+from policyworker.train.schedule import RouteSpec, Routing
 from policyworker.train.step import (
     OpenStep,
     StepResult,
     StepSpec,
     add_chunk,
+    balance_scale_for,
     check_batch_sizes,
     finish_step,
     known_counts_for,
@@ -52,6 +54,8 @@ class TrainSettings:
     max_grad_norm: float
     vocab_size: int
     max_seq_len: int
+    router_replay: bool = False
+    """Every step replays the batch's `routed_experts` (which it must have)."""
 
 
 class Trainer:
@@ -69,12 +73,15 @@ class Trainer:
         device: torch.device,
         settings: TrainSettings,
         routes: RouteCounts | None = None,
+        replay: RouteSpec | None = None,
     ) -> None:
         self.ddp, self.optimizer, self.scheduler = ddp, optimizer, scheduler
         self.plan, self.groups, self.dp, self.device = plan, groups, dp, device
         self.settings = settings
         self.routes = routes
         """An MoE model's tokens per expert, counted during a step's forwards."""
+        self.replay = replay
+        """An MoE model's routers (router replay)."""
         self._step: OpenStep | None = None
 
     @property
@@ -116,9 +123,13 @@ class Trainer:
         for start in range(0, b, local):
             chunk = data.slice(start, start + local)
             known = known_counts_for(loss_fn, chunk, self.groups)
-            self._step = self._open(
-                StepSpec(loss_fn, local, mbs, eval_mode=eval_mode, known_counts=known)
+            scale = 1.0
+            if self.replay is not None and self.replay.balance != "none":
+                scale = balance_scale_for(loss_fn, chunk, known, self.groups)
+            spec = StepSpec(
+                loss_fn, local, mbs, eval_mode=eval_mode, known_counts=known, balance_scale=scale
             )
+            self._step = self._open(spec)
             self._add(chunk)
             results.append(self._finish())
         return self._summarize(results)
@@ -128,6 +139,13 @@ class Trainer:
         self.require_no_step("begin_train_step")
         gbs, mbs = self._sizes(gbs, mbs)
         local = check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dp)
+        balancing = self.replay is not None and self.replay.balance != "none"
+        if balancing and loss_fn.normalizer != "global_valid_toks":
+            raise ValueError(
+                f"loss_fn: {type(loss_fn).__name__} is normalized by {loss_fn.normalizer}, so the "
+                "load-balancing loss (normalized by loss tokens) cannot share a streamed step; "
+                "use train() for it"
+            )
         self._step = self._open(StepSpec(loss_fn, local, mbs))
 
     def add(self, data: BatchedDataDict) -> None:
@@ -173,7 +191,13 @@ class Trainer:
     def check_batch(self, data: BatchedDataDict, required: tuple[str, ...]) -> None:
         """The batch against the contract and the loss's keys (`BatchValidationError`)."""
         s = self.settings
+        if s.router_replay:
+            required = (*required, ROUTES)
         validate_batch(data, required=required, max_seq_len=s.max_seq_len, vocab_size=s.vocab_size)
+        if s.router_replay:
+            assert self.replay is not None
+            r = self.replay
+            check_routes(data, layers=r.num_layers, topk=r.topk, experts=r.experts)
 
     def checked(self, call: str, *, step_open: bool | None) -> Trainer:
         """This trainer, if `call` may use it: a step is open (`step_open=True`) or not (False;
@@ -215,12 +239,22 @@ class Trainer:
                 plan=self.plan,
                 groups=self.groups,
                 logits=self.settings.logits,
+                routing=self._routing(),
             )
         except BaseException as e:
             self._step = None
             zero_grads(self.ddp, self.optimizer)
             e.add_note("policyworker: the open train step was aborted (gradients dropped)")
             raise
+
+    def _routing(self) -> Routing | None:
+        if self.replay is None:
+            return None
+        assert self._step is not None
+        scale = self._step.spec.balance_scale
+        return self.replay.routing(
+            replay=self.settings.router_replay, record=False, balance_scale=scale
+        )
 
     def _finish(self) -> StepResult:
         step, self._step = self._step, None
@@ -236,7 +270,7 @@ class Trainer:
                 device=self.device,
             )
             if self.routes is not None:
-                result.metrics.update(self.routes.take())
+                result.metrics.update(self.routes.take(result.metrics["global_valid_toks"]))
             return result
         except BaseException:
             zero_grads(self.ddp, self.optimizer)
