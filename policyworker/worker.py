@@ -10,7 +10,7 @@ together by `assembly`). A bad call raises `ValueError` before any state changes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,7 @@ from policyworker.losses.common import Loss
 from policyworker.memory.phases import MemoryPhase, enter_phase
 from policyworker.memory.residency import GROUPS, Where
 from policyworker.memory.telemetry import memory_stats
+from policyworker.model.report import tensor_parallel_report
 from policyworker.refit.layout import RefitInfo, RefitReport
 
 if TYPE_CHECKING:
@@ -96,9 +97,8 @@ class MegatronPolicyWorker:
         mbs = self.collector.check(data, micro_batch_size, replay=replay, record=return_routes)
         return self.collector.logprobs(data, mbs, replay=replay, record=return_routes)
 
-    def get_reference_policy_logprobs(
-        self, *, data: BatchedDataDict, micro_batch_size: int | None = None
-    ) -> BatchedDataDict:
+    def get_reference_policy_logprobs(self, *, data: BatchedDataDict,
+                                      micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
         """`{"reference_logprobs": [B, S]}`: `get_logprobs` under the reference weights."""
         with self.use_reference_model():  # its routers choose (no replay, as NeMo-RL)
             out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size,
@@ -114,33 +114,41 @@ class MegatronPolicyWorker:
         with self.state.reference_swapped_in():
             yield
 
-    def get_topk_logits(
-        self, *, data: BatchedDataDict, k: int, micro_batch_size: int | None = None
-    ) -> BatchedDataDict:
+    def get_topk_logits(self, *, data: BatchedDataDict, k: int,
+                        micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
         self.memory.require("get_topk_logits", "params")
         vals, idx = self.collector.topk(data, self.collector.check(data, micro_batch_size, k), k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
+    def calibrate_qkv_fp8_scales(
+        self, *, data: BatchedDataDict, micro_batch_size: int | None = None,
+        percentile: float = 99.9, margin: float = 1.05, include_q: bool = False,
+        save_path: str | Path | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """FP8 KV-cache scales of Q/K/V from `data` (the seed's; model/calibration.py)."""
+        self.memory.require("calibrate_qkv_fp8_scales", "params")
+        mbs = self.collector.check(data, micro_batch_size)
+        return self.collector.calibrate(self.state.model, data, mbs, percentile=percentile,
+                                        margin=margin, include_q=include_q, save_path=save_path)  # fmt: skip
+
     # --- training (policyworker.train.Trainer) ---------------------------------------------------
 
     def train(
-        self,
-        data: BatchedDataDict,
-        loss_fn: Loss,
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
-    ) -> dict[str, Any]:
-        """One optimizer and scheduler step per global batch of `data` (none if `eval_mode`)."""
+        self, data: BatchedDataDict, loss_fn: Loss, eval_mode: bool = False,
+        gbs: int | None = None, mbs: int | None = None,
+        check_dim_skip_keys: Iterable[str] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """An optimizer step per global batch (none if `eval_mode`); `check_dim_skip_keys`: None."""
+        if check_dim_skip_keys is not None:
+            raise ValueError("check_dim_skip_keys: expected None (no cross-tokenizer fields here)")
         trainer = self._trainer("train")
         self.memory.require("train", *(("params",) if eval_mode else GROUPS))
         trainer.check_batch(data, loss_fn.required_keys)
         return trainer.train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
 
-    def begin_train_step(
-        self, loss_fn: Loss, gbs: int | None = None, mbs: int | None = None
-    ) -> None:
+    def begin_train_step(self, loss_fn: Loss, gbs: int | None = None,
+                         mbs: int | None = None) -> None:  # fmt: skip
         """Open a step (zero gradients) for `train_microbatch`; `finish_train_step` applies it."""
         trainer = self._trainer("begin_train_step")
         self.memory.require("begin_train_step", *GROUPS)
@@ -198,9 +206,8 @@ class MegatronPolicyWorker:
         """Params and optimizer state to the host; an open step's gradients stay."""
         self._phase(MemoryPhase.PAUSE_TRAIN_STEP)
 
-    def move_model(
-        self, model: torch.nn.Module, device: str, move_params: bool = True, move_grads: bool = True
-    ) -> torch.nn.Module:
+    def move_model(self, model: torch.nn.Module, device: str, move_params: bool = True,
+                   move_grads: bool = True) -> torch.nn.Module:  # fmt: skip
         """Params and/or gradients to "cpu" or "cuda" (this worker's device; idle grads freed)."""
         if model is not self.state.model and model is not self.state.ddp:
             raise ValueError("model: expected this worker's model")
@@ -216,6 +223,10 @@ class MegatronPolicyWorker:
     def memory_stats(self) -> dict[str, object]:
         """The numbers of each phase's DEBUG line: device bytes and where the state is."""
         return memory_stats(self.memory)
+
+    def check_tensor_parallel_attributes(self) -> dict[str, Any]:
+        """The seed's report: this rank's parameter names split by megatron's TP attribute."""
+        return tensor_parallel_report(self.state.model, self.dims.tp)
 
     def _phase(self, phase: MemoryPhase) -> None:
         enter_phase(self.memory, phase, step_open=self._step_open)
@@ -244,18 +255,15 @@ class MegatronPolicyWorker:
             buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
         )
 
-    def init_collective(
-        self, host: str, port: int, world_size: int, refit_timeout_s: float | None = None
-    ) -> None:
+    def init_collective(self, host: str, port: int, world_size: int,
+                        refit_timeout_s: float | None = None) -> None:  # fmt: skip
         """Form the collective refit group; trainer rank 0 is its rank 0 and hosts host:port."""
         self.refit.join_collective(host, port, world_size, refit_timeout_s)
 
     def broadcast_weights_for_collective(
-        self,
-        refit_timeout_s: float | None = None,
-        buffer_size_bytes: int | None = None,
+        self, refit_timeout_s: float | None = None, buffer_size_bytes: int | None = None,
         num_buffers: int = 2,
-    ) -> RefitReport | None:
+    ) -> RefitReport | None:  # fmt: skip
         """Broadcast every weight to the receivers of `init_collective` (collective over TP/PP)."""
         self.memory.require("broadcast_weights_for_collective", "params")
         return self.refit.broadcast(
@@ -263,13 +271,9 @@ class MegatronPolicyWorker:
         )
 
     def init_reshard(
-        self,
-        host: str,
-        port: int,
-        sources: int,
-        destinations: int,
+        self, host: str, port: int, sources: int, destinations: int,
         refit_timeout_s: float | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """Join the reshard group (every trainer and destination rank; trainer rank 0 hosts)."""
         self.refit.join_reshard(
             host, port, sources, destinations, destination=self.is_refit_destination,
@@ -284,12 +288,9 @@ class MegatronPolicyWorker:
     # --- checkpoints (policyworker.checkpoint) and HF export -------------------------------------
 
     def save_checkpoint(
-        self,
-        weights_path: str | Path,
-        optimizer_path: str | Path | None = None,
-        tokenizer_path: str | Path | None = None,
-        async_save: bool | None = None,
-    ) -> None:
+        self, weights_path: str | Path, optimizer_path: str | Path | None = None,
+        tokenizer_path: str | Path | None = None, async_save: bool | None = None,
+    ) -> None:  # fmt: skip
         """Save the weights (and the training state); collective. Async: `finalize_async_save`."""
         if tokenizer_path is not None and self.tokenizer is None:
             raise ValueError("tokenizer_path: this worker has no tokenizer (pass tokenizer=)")
@@ -311,9 +312,8 @@ class MegatronPolicyWorker:
         """Finish and commit the pending async save (collective); False if there was none."""
         return self.checkpoints.finalize()
 
-    def load_checkpoint(
-        self, weights_path: str | Path, optimizer_path: str | Path | None = None
-    ) -> None:
+    def load_checkpoint(self, weights_path: str | Path,
+                        optimizer_path: str | Path | None = None) -> None:  # fmt: skip
         """Load a checkpoint into any layout; collective; `CheckpointError` changes nothing."""
         if optimizer_path is not None or self._step_open:
             self._trainer("load_checkpoint", damaged_ok=True)

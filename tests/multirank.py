@@ -85,6 +85,10 @@ def layout_results(
     ]
     out["train"] = [train(worker, data, ClippedPGLoss(), None, split) for _ in range(2)]
     out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
+    out["tp_attributes"] = worker.check_tensor_parallel_attributes()
+    out["qkv_scales"] = worker.calibrate_qkv_fp8_scales(
+        data=data, micro_batch_size=2, percentile=100.0, include_q=True
+    )
     # One step of each other loss (their gradients show in grad_norm), in a fixed order.
     out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
     # as the routers choose (transformers' logprobs of the export route on their own too)
@@ -201,6 +205,8 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
         if isinstance(v, torch.Tensor)
     }
     full["train"] = [s["train"] for s in shards]
+    full["tp_attributes"] = mine["tp_attributes"]  # rank 0's
+    full["qkv_scales"] = mine["qkv_scales"]  # every rank's is the same
     worker.save_hf_pretrained(out.with_suffix(".hf"))  # collective
     full["dims"] = worker.dims
     full["host_reads_in_layers"] = sorted(set(reads.reads))

@@ -95,6 +95,16 @@ def test_layout_matches_single_rank(layout, tied_dir, single, two_ranks, tmp_pat
     assert (got["dims"].tp, got["dims"].pp, got["dims"].cp) == (tp, pp, cp)
     assert got["dims"].dp == 2 // (tp * pp * cp)
     _assert_matches(got, single, tied_dir, VOCAB, two_ranks / f"{layout}.hf", pp=pp)
+    if (tp, pp) == (2, 1):  # the seed's TP report: the same split of the same names
+        report, want = got["tp_attributes"], single["tp_attributes"]
+        assert (report["tp_size"], want["tp_size"]) == (2, 1)
+        assert report["tp_params"] == want["tp_params"]
+        assert report["non_tp_params"] == want["non_tp_params"]
+    if not {"pack", "cp", "sp"} & set(flags):  # the same micro-batches, padding included
+        scales, want = got["qkv_scales"]["layers"], single["qkv_scales"]["layers"]
+        assert scales.keys() == want.keys()
+        for name, value in want.items():  # the amax over every rank's heads, tokens, layers
+            assert scales[name] == pytest.approx(value, rel=1e-5), name
     if "cp" in flags:  # context parallelism: no device read in the layer loop
         assert got["host_reads_in_layers"] == []
     if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks

@@ -247,3 +247,19 @@ def test_distributed_optimizer_equals_plain_on_one_rank(llama_dir, precision):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
     assert all(torch.equal(p0[n], p1[n]) for n in p0)  # below the clip: the same Adam updates
     assert m1[-1]["optimizer_state_bytes"] == m0[-1]["optimizer_state_bytes"] > 0
+
+
+def test_the_tensor_parallel_report_and_the_seeds_check_dim_skip_keys(llama_dir):
+    """The seed's `check_tensor_parallel_attributes` at TP1 (TP2: tests/test_parallel.py), and
+    `train(check_dim_skip_keys=...)`, which the seed refuses on Megatron, refused by name."""
+    worker = make_worker(llama_dir)
+    report = worker.check_tensor_parallel_attributes()
+    names = [n for n, _ in worker.state.model.named_parameters()]
+    assert report["tp_size"] == 1 and report["total_params"] == len(names)
+    assert sorted(report["tp_params"] + report["non_tp_params"]) == sorted(names)
+    assert any("linear_qkv.weight" in n for n in report["tp_params"])
+    assert all("layernorm" in n or "norm" in n for n in report["non_tp_params"])
+    before = {n: p.detach().clone() for n, p in worker.state.model.named_parameters()}
+    with pytest.raises(ValueError, match="check_dim_skip_keys"):
+        worker.train(make_batch(batch=4, seq=12), NLLLoss(), check_dim_skip_keys=["x"])
+    assert all(torch.equal(p, before[n]) for n, p in worker.state.model.named_parameters())

@@ -192,6 +192,7 @@ class Policy:
     get_logprobs = dispatched(Output.BATCH, sharded="data")
     get_reference_policy_logprobs = dispatched(Output.BATCH, sharded="data")
     get_topk_logits = dispatched(Output.BATCH, sharded="data")
+    calibrate_qkv_fp8_scales = dispatched(Output.FIRST, sharded="data")
     train = dispatched(sharded="data", split=Split.GLOBAL_BATCHES)
     begin_train_step = dispatched()
     train_microbatch = dispatched(sharded="data", split=Split.CONTIGUOUS)
@@ -207,6 +208,7 @@ class Policy:
     offload_after_refit = dispatched()
     pause_train_step_with_offloading = dispatched()
     memory_stats = dispatched(Output.ALL)
+    check_tensor_parallel_attributes = dispatched(Output.ALL)
 
     prepare_refit_info = dispatched()
     get_zmq_address = dispatched(Output.ALL)

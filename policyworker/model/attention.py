@@ -30,6 +30,27 @@ from policyworker.ops.packed import packed_positions
 from policyworker.parallel.context import ContextPlan, ContextSplit
 
 
+class Rotary(torch.nn.Module):
+    """RoPE of queries or keys, as HF computes it; a module of its own so that what leaves it
+    (the queries and keys attention and a KV cache see) can be observed with hooks. Called
+    for the queries, then the keys, in every attention forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inv_freq: torch.Tensor | None = None  # not a buffer: no checkpoint or phase state
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin at `positions` (broadcast over x's head dims), with
+        cos/sin computed in fp32 and cast to x's dtype, as HF and megatron do."""
+        if self.inv_freq is None:
+            raise RuntimeError("SDPACoreAttention: set_rope() was not called")
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)
+
+
 class SDPACoreAttention(MegatronModule):
     """Drop-in for megatron's `DotProductAttention` (same constructor and forward signature)."""
 
@@ -52,11 +73,11 @@ class SDPACoreAttention(MegatronModule):
         self.dropout_p = (
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
-        self.inv_freq: torch.Tensor | None = None
+        self.rotary = Rotary()
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
         """RoPE inverse frequencies [head_dim / 2] (fp32), applied to queries and keys."""
-        self.inv_freq = inv_freq
+        self.rotary.inv_freq = inv_freq
 
     def forward(
         self,
@@ -80,11 +101,11 @@ class SDPACoreAttention(MegatronModule):
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             positions = packed_positions(cu, query.shape[0])[:, None]  # [t, 1]
-            query, key = self._rope(query, positions), self._rope(key, positions)
+            query, key = self.rotary(query, positions), self.rotary(key, positions)
             out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
             return out.reshape(out.shape[0], -1)
         positions = torch.arange(query.shape[0], device=query.device)[:, None, None]  # [s, 1, 1]
-        query, key = self._rope(query, positions), self._rope(key, positions)
+        query, key = self.rotary(query, positions), self.rotary(key, positions)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out = F.scaled_dot_product_attention(
@@ -112,22 +133,11 @@ class SDPACoreAttention(MegatronModule):
         one flash varlen call; otherwise one exact masked SDPA per block."""
         plan = split.plan(query.device)
         positions = plan.positions[:, None]
-        query, key = self._rope(query, positions), self._rope(key, positions)
+        query, key = self.rotary(query, positions), self.rotary(key, positions)
         key, value = split.gather_keys(key), split.gather_keys(value)  # [T, ng, hn]
         if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
             return _context_blocks_cuda(query, key, value, plan, self.softmax_scale)
         return _context_blocks_reference(query, key, value, plan, self.softmax_scale)
-
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin at `positions` (broadcast over x's head dims), with
-        cos/sin computed in fp32 and cast to x's dtype, as HF and megatron do."""
-        if self.inv_freq is None:
-            raise RuntimeError("SDPACoreAttention: set_rope() was not called")
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)
 
     def _thd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams

@@ -8,6 +8,8 @@ pipeline stage returns it (the last stage computes, then broadcasts).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
+from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
 from policyworker.ops.logprobs import Head, LogitOptions, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
 from policyworker.train.schedule import (
@@ -93,6 +96,29 @@ class Collector:
             data, mbs, fn, outputs={"logprobs": torch.float32}, routing=routing
         )
         return BatchedDataDict({"logprobs": logprobs, **({ROUTES: routes[0]} if routes else {})})
+
+    def calibrate(
+        self,
+        model: torch.nn.Module,
+        data: BatchedDataDict,
+        mbs: int,
+        *,
+        percentile: float,
+        margin: float,
+        include_q: bool,
+        save_path: str | Path | None,
+    ) -> dict[str, Any]:
+        """FP8 KV-cache scales from the Q/K/V of a forward over `data` (`model`: the unwrapped
+        GPTModel); its routers choose (calibration batches carry no routes, as NeMo-RL's); the
+        JSON at `save_path` is written by rank 0. Every rank returns the same result."""
+        check_calibration(percentile, margin, include_q)
+        with QKVAmax(model, model.config.num_layers) as probe:
+            self.logprobs(data, mbs)
+        amax = probe.amax(percentile)
+        result = fp8_scales(amax, percentile=percentile, margin=margin, include_q=include_q)
+        if save_path is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            save_json(result, save_path)
+        return result
 
     def topk(self, data: BatchedDataDict, mbs: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, S, k] logits / temperature and their vocabulary ids, largest first."""
