@@ -211,9 +211,12 @@ class _ChunkedStats(torch.autograd.Function):
         kept = None
         for a, b in spans:
             x = _logits(hidden[a:b], weight, cols)
-            row_max, picked = _max_and_picked(x, local[a:b], inside[a:b], inv_t)
+            if target.shape[-1]:
+                row_max, picked = _max_and_picked(x, local[a:b], inside[a:b], inv_t)
+                _reduce(picked, opts.tp_group)
+            else:  # the entropy alone: no ids to pick (and no empty gather to compile)
+                row_max, picked = (_wide(x.amax(-1)) * inv_t).contiguous(), lp[a:b]
             _reduce(row_max, opts.tp_group, dist.ReduceOp.MAX)
-            _reduce(picked, opts.tp_group)
             sums = (_exp_sums if want_entropy else _sum_exp)(x, row_max, inv_t)
             _reduce(sums, opts.tp_group)
             lse[a:b] = row_max + sums[0].log()
