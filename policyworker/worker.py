@@ -121,6 +121,15 @@ class MegatronPolicyWorker:
         vals, idx = self.collector.topk(data, self.collector.check(data, micro_batch_size, k), k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
+    def get_logprobs_with_full_payload(
+        self, *, data: BatchedDataDict, payload: str, payload_dtype: str,
+        micro_batch_size: int | None = None,
+    ) -> BatchedDataDict:  # fmt: skip
+        """`logprobs` [B, S] and, on the last stage, `teacher_full_payload` [B, S, D] on CPU."""
+        self.memory.require("get_logprobs_with_full_payload", "params")
+        mbs = self.collector.check(data, micro_batch_size)
+        return self.collector.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
+
     def calibrate_qkv_fp8_scales(
         self, *, data: BatchedDataDict, micro_batch_size: int | None = None,
         percentile: float = 99.9, margin: float = 1.05, include_q: bool = False,

@@ -86,6 +86,10 @@ def layout_results(
     out["train"] = [train(worker, data, ClippedPGLoss(), None, split) for _ in range(2)]
     out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
     out["tp_attributes"] = worker.check_tensor_parallel_attributes()
+    # the whole vocabulary's logits (last pipeline stage only: None on rank 0 under PP)
+    out["teacher_full_payload"] = worker.get_logprobs_with_full_payload(
+        data=data, payload="logits", payload_dtype="float32"
+    )["teacher_full_payload"]
     out["qkv_scales"] = worker.calibrate_qkv_fp8_scales(
         data=data, micro_batch_size=2, percentile=100.0, include_q=True
     )

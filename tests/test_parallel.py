@@ -105,6 +105,8 @@ def test_layout_matches_single_rank(layout, tied_dir, single, two_ranks, tmp_pat
         assert scales.keys() == want.keys()
         for name, value in want.items():  # the amax over every rank's heads, tokens, layers
             assert scales[name] == pytest.approx(value, rel=1e-5), name
+    if pp == 1:  # the full-vocabulary payload, gathered over TP and CP, unpacked
+        assert (got["teacher_full_payload"] - single["teacher_full_payload"]).abs().max() <= 1e-4
     if "cp" in flags:  # context parallelism: no device read in the layer loop
         assert got["host_reads_in_layers"] == []
     if "distopt" in flags:  # the optimizer state is split over the two data-parallel ranks

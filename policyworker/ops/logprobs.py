@@ -355,3 +355,15 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, **tp: Any) -> 
 def topk_logits(logits: torch.Tensor, k: int, **tp: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Global top-k `(values, indices)` [B, S, k] of `logits / temperature`; see `topk`."""
     return topk(Head.of_logits(logits), k, LogitOptions(**tp))
+
+
+def full_logits(head: Head, opts: LogitOptions) -> torch.Tensor:
+    """[B, S, V] logits of the whole true vocabulary (no temperature), gathered over TP: what a
+    full-vocabulary distillation payload carries. Materializes the micro-batch's logits."""
+    x = head.hidden if head.weight is None else F.linear(head.hidden, head.weight)
+    world = 1 if opts.tp_group is None else dist.get_world_size(opts.tp_group)
+    if world > 1:
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=opts.tp_group)
+        x = torch.cat(parts, dim=-1)
+    return x if opts.vocab_size is None else x[..., : opts.vocab_size]

@@ -44,7 +44,7 @@ class ParallelDims:
         dims.coords(5)                  # {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
         dims.ranks_along("tp", 5)       # [4, 5]
         dims.replica(1)                 # every rank holding data-parallel shard 1
-        dims.leader(1)                  # the one whose outputs a driver keeps
+        dims.leader(1)                  # the one whose outputs a driver keeps (last stage)
     """
 
     tp: int = 1
@@ -135,8 +135,9 @@ class ParallelDims:
         return [r for r in range(self.world_size) if self.coords(r)["dp"] == dp_rank]
 
     def leader(self, dp_rank: int) -> int:
-        """The rank whose outputs stand for replica `dp_rank`: its first."""
-        return self.rank(dp=dp_rank)
+        """The rank whose outputs stand for replica `dp_rank`: its first on the last pipeline
+        stage (which alone holds what is not broadcast to the others, e.g. a full payload)."""
+        return self.rank(dp=dp_rank, pp=self.pp - 1)
 
 
 def free_port() -> int:

@@ -19,7 +19,7 @@ from policyworker.data.contract import ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
 from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
-from policyworker.ops.logprobs import Head, LogitOptions, topk
+from policyworker.ops.logprobs import Head, LogitOptions, full_logits, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
 from policyworker.train.schedule import (
     MicrobatchFn,
@@ -120,6 +120,28 @@ class Collector:
             save_json(result, save_path)
         return result
 
+    def full_payload(
+        self, data: BatchedDataDict, mbs: int, *, payload: str, payload_dtype: str
+    ) -> BatchedDataDict:
+        """`logprobs` [B, S] on every stage and `teacher_full_payload` [B, S, D] on CPU on the
+        last pipeline stage (None elsewhere; never broadcast): the final hidden states (after
+        the final norm, D = hidden size) or the whole vocabulary's logits (D = V, gathered over
+        TP, no temperature), from one forward; each micro-batch's moves to CPU at once, CP and
+        packing undone. The seed's `get_logprobs_with_full_payload`."""
+        dtype = payload_type(payload, payload_dtype)
+        needs = LossNeeds(logprobs=True)
+
+        def fn(head: Head, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            lp = loss_inputs(head, mb, needs, self.logits).logprobs
+            assert lp is not None
+            x = head.hidden if payload == "hidden_states" else full_logits(head, self.logits)
+            rows = mb.unpack(mb.gather(x.to(dtype))).cpu()
+            return lp.new_zeros(()), {"logprobs": lp, PAYLOAD: rows}
+
+        outputs = {"logprobs": torch.float32, PAYLOAD: dtype}
+        logprobs, full = self.collect(data, mbs, fn, outputs=outputs, last_stage_only=(PAYLOAD,))
+        return BatchedDataDict({"logprobs": logprobs, PAYLOAD: full})
+
     def topk(self, data: BatchedDataDict, mbs: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, S, k] logits / temperature and their vocabulary ids, largest first."""
 
@@ -141,10 +163,12 @@ class Collector:
         outputs: dict[str, torch.dtype],
         trailing: tuple[int, ...] = (),
         routing: Routing | None = None,
+        last_stage_only: tuple[str, ...] = (),
     ) -> list[torch.Tensor]:
         """Forward-only over micro-batches; each of `outputs` (per-row tensors that `fn`
-        returns as metrics) assembled on CPU as [B, S, *trailing], 0 past each length; then,
-        if `routing` records, the routes used [B, S, L, K]."""
+        returns as metrics) assembled on CPU as [B, S, *trailing], 0 past each length, on every
+        pipeline stage — but `last_stage_only` ones (their own trailing shape) only on the last
+        (None on the others); then, if `routing` records, the routes used [B, S, L, K]."""
         self.model.eval()
         names = ["input_ids", "input_lengths"] + ([ROUTES] if routing and routing.replay else [])
         batch = BatchedDataDict({k: data[k] for k in names}).to(self.device)
@@ -160,6 +184,15 @@ class Collector:
         result = []
         for key, dtype in outputs.items():
             parts = [st[key] for st in stores]  # stores: last stage only
+            if key in last_stage_only:
+                shape = (b, s, *parts[0].shape[2:]) if parts else None
+                out = (
+                    None
+                    if shape is None
+                    else _rows(microbatches, parts, data["input_lengths"], shape, dtype, 0)
+                )
+                result.append(out)
+                continue
             out = _rows(microbatches, parts, data["input_lengths"], (b, s, *trailing), dtype, 0)
             result.append(broadcast_from_last_stage(out, self.groups, device=self.device))
         if routing is not None and routing.record:
@@ -180,6 +213,29 @@ class Collector:
             dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=self.groups.pp)
             out = merged.cpu()
         return out
+
+
+PAYLOAD = "teacher_full_payload"
+PAYLOADS = ("hidden_states", "logits")
+
+
+_PAYLOAD_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def payload_type(payload: str, payload_dtype: str) -> torch.dtype:
+    """A full payload's kind and dtype name, checked (`ValueError` naming the argument)."""
+    if payload not in PAYLOADS:
+        raise ValueError(f"payload: expected one of {PAYLOADS}, got {payload!r}")
+    if payload_dtype not in _PAYLOAD_DTYPES:
+        raise ValueError(
+            f"payload_dtype: expected one of {sorted(_PAYLOAD_DTYPES)}, got {payload_dtype!r}"
+        )
+    return _PAYLOAD_DTYPES[payload_dtype]
 
 
 def _rows(
