@@ -235,7 +235,6 @@ def build_collector(
         max_seq_len=w.cfg.max_total_sequence_length,
         default_mbs=w.cfg.logprob_batch_size,
         routes=routers,
-        router_replay=w.cfg.moe.router_replay,
     )
 
 

@@ -45,8 +45,6 @@ class Collector:
     default_mbs: int
     routes: RouteSpec | None = None
     """An MoE model's routers (replay and record); None for a dense model."""
-    router_replay: bool = False
-    """`moe.router_replay`: a replaying collection needs the batch's `routed_experts`."""
 
     def check(
         self,
