@@ -44,6 +44,7 @@ from policyworker.train.optimizer import (
     wrap_ddp,
 )
 from policyworker.train.schedule import RouteSpec
+from policyworker.train.teacher import TeacherHeads, VocabSlice
 from policyworker.train.trainer import Trainer, TrainSettings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -217,9 +218,24 @@ def build_trainer(
         dp=w.dims.dp,
         device=w.device,
         settings=settings,
+        teachers=teacher_heads(w),
         routes=routes,
         replay=routers,
     )
+
+
+def teacher_heads(w: Parts) -> TeacherHeads:
+    """The (empty) store of teacher LM-head shards, for this rank's vocabulary columns."""
+    part = w.shape.padded_vocab_size(w.dims.tp) // w.dims.tp
+    start = w.groups.tp_rank * part
+    vocab = VocabSlice(
+        start=start, cols=max(0, min(part, w.shape.vocab_size - start)),
+        vocab_size=w.shape.vocab_size,
+    )  # fmt: skip
+    return TeacherHeads(
+        lifecycle=w.cfg.opd_full_teacher_lm_head_lifecycle, device=w.device, dtype=w.dtype,
+        vocab=vocab, last_stage=w.groups.is_last_stage,
+    )  # fmt: skip
 
 
 def build_collector(

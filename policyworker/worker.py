@@ -21,11 +21,12 @@ from policyworker.checkpoint.paths import check_save_paths, initial_weights
 from policyworker.config import PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses.common import Loss
-from policyworker.memory.phases import MemoryPhase, enter_phase
+from policyworker.memory.phases import TRAIN_BUFFERS_KEPT, MemoryPhase, enter_phase
 from policyworker.memory.residency import GROUPS, Where
 from policyworker.memory.telemetry import memory_stats
 from policyworker.model.report import tensor_parallel_report
 from policyworker.refit.layout import RefitInfo, RefitReport
+from policyworker.train.teacher import teacher_path
 
 if TYPE_CHECKING:
     from policyworker.train.trainer import Trainer
@@ -153,8 +154,17 @@ class MegatronPolicyWorker:
             raise ValueError("check_dim_skip_keys: expected None (no cross-tokenizer fields here)")
         trainer = self._trainer("train")
         self.memory.require("train", *(("params",) if eval_mode else GROUPS))
-        trainer.check_batch(data, loss_fn.required_keys)
+        trainer.check_batch(data, loss_fn)
         return trainer.train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+
+    def load_opd_full_teacher_lm_head(self, teacher_path_config: Any, teacher_index: int) -> str:
+        """This rank's shard of a teacher's LM head, for `FullDistillationLoss` on hidden-state
+        payloads (`opd_full_teacher_lm_head_lifecycle`); returns the teacher's folder."""
+        path = teacher_path(teacher_path_config)
+        self._trainer("load_opd_full_teacher_lm_head", step_open=None).teachers.load(
+            path, teacher_index
+        )
+        return path
 
     def begin_train_step(self, loss_fn: Loss, gbs: int | None = None,
                          mbs: int | None = None) -> None:  # fmt: skip
@@ -167,7 +177,7 @@ class MegatronPolicyWorker:
         """Forward/backward `mbs`-row multiples (no DP reduce yet); an error aborts the step."""
         trainer = self._trainer("train_microbatch", step_open=True)
         self.memory.require("train_microbatch", "params", "grads")
-        trainer.check_batch(data, trainer.open_loss.required_keys)
+        trainer.check_batch(data, trainer.open_loss)
         trainer.add(data)
 
     def finish_train_step(self) -> dict[str, Any]:
@@ -239,6 +249,8 @@ class MegatronPolicyWorker:
 
     def _phase(self, phase: MemoryPhase) -> None:
         enter_phase(self.memory, phase, step_open=self._step_open)
+        if self.trainer is not None and phase not in TRAIN_BUFFERS_KEPT:
+            self.trainer.teachers.release()  # a train step stages them again
 
     # --- refit (policyworker.refit; docs/refit.md) ---------------------------------------------
 

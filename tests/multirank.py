@@ -9,7 +9,8 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
         the first call; seqaux: a per-sequence load-balancing loss)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
-batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, logprobs after them, the
+batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, a step of each other loss
+(full-vocabulary distillation included), logprobs after them, the
 kinds of host reads rank 0 made inside a transformer layer's forward) to OUTDIR/NAME.pt and the
 HF export to OUTDIR/NAME.hf.
 """
@@ -42,6 +43,8 @@ from policyworker.losses import (
     DistillationConfig,
     DistillationLoss,
     DPOLoss,
+    FullDistillationConfig,
+    FullDistillationLoss,
     Loss,
 )
 from policyworker.worker import MegatronPolicyWorker
@@ -95,6 +98,7 @@ def layout_results(
     )
     # One step of each other loss (their gradients show in grad_norm), in a fixed order.
     out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
+    out["train"] += full_distillation_steps(worker, data, split)
     # as the routers choose (transformers' logprobs of the export route on their own too)
     out["logprobs_final"] = worker.get_logprobs(data=data, require_router_replay=False)["logprobs"]
     return out
@@ -113,6 +117,24 @@ OTHER_LOSSES = (
     DPOLoss(),
     DistillationLoss(DistillationConfig(kl_type="mixed", zero_outside_topk=True)),
 )
+
+
+def full_distillation_steps(
+    worker: MegatronPolicyWorker, data: BatchedDataDict, split: bool
+) -> list[dict[str, object]]:
+    """A step of full-vocabulary distillation from the batch's random teacher hidden states
+    (through the model's own LM head, loaded as the teacher's) and one from its random teacher
+    logits; none for a batch without them or of another hidden size."""
+    hidden = data.get("opd_hidden")
+    if hidden is None or hidden.shape[-1] != worker.shape.hidden_size:
+        return []
+    worker.load_opd_full_teacher_lm_head(worker.cfg.model_name, 0)
+    steps = []
+    for kind, key in (("hidden_states", "opd_hidden"), ("logits", "opd_logits")):
+        batch = BatchedDataDict({**data, "teacher_full_payload": data[key]})
+        loss = FullDistillationLoss(FullDistillationConfig(payload=kind))
+        steps.append(train(worker, batch, loss, 2, split))
+    return steps
 
 
 def config(
@@ -167,8 +189,14 @@ def config(
     )
 
 
-def fixed_batch(vocab: int) -> BatchedDataDict:
-    return make_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=5, lengths=LENGTHS)
+def fixed_batch(vocab: int, hidden: int = 64) -> BatchedDataDict:
+    """The batch, with a random teacher's full payloads: hidden states [B, S, hidden] and
+    logits [B, S, vocab] (for `full_distillation_steps`)."""
+    data = make_batch(batch=BATCH, seq=SEQ, vocab=vocab, seed=5, lengths=LENGTHS)
+    g = torch.Generator().manual_seed(6)
+    data["opd_hidden"] = torch.randn(BATCH, SEQ, hidden, generator=g)
+    data["opd_logits"] = 3 * torch.randn(BATCH, SEQ, vocab, generator=g)
+    return data
 
 
 def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> None:

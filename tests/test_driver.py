@@ -15,9 +15,10 @@ from helpers import make_batch, make_hf_model
 
 from policyworker import Policy, WorkerError
 from policyworker.config import ParallelConfig, PolicyConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import BatchValidationError
 from policyworker.driver.dispatch import Split, balanced_split, split_rows
-from policyworker.losses import ClippedPGLoss
+from policyworker.losses import ClippedPGLoss, FullDistillationLoss
 from policyworker.parallel.dims import ParallelDims
 from policyworker.worker import MegatronPolicyWorker
 
@@ -39,18 +40,24 @@ def config(folder: Path, tp: int = 1) -> PolicyConfig:
     )
 
 
-def results(worker: MegatronPolicyWorker | Policy) -> dict[str, object]:
-    """What any group must agree on with one worker: outputs before and after two GRPO steps."""
+def results(worker: MegatronPolicyWorker | Policy, folder: Path) -> dict[str, object]:
+    """What any group must agree on with one worker: outputs before and after two GRPO steps
+    and a step of full-vocabulary distillation (the model's own head as the teacher's, random
+    teacher hidden states)."""
     data = make_batch(batch=8, seq=12, lengths=LENGTHS)
     topk = worker.get_topk_logits(data=data, k=TOPK)
-    return {
+    out = {
         "logprobs": worker.get_logprobs(data=data)["logprobs"],
         "reference": worker.get_reference_policy_logprobs(data=data)["reference_logprobs"],
         "topk_logits": topk["topk_logits"],
         "topk_indices": topk["topk_indices"],
         "train": [worker.train(data, ClippedPGLoss()) for _ in range(2)],
-        "logprobs_after": worker.get_logprobs(data=data)["logprobs"],
     }
+    worker.load_opd_full_teacher_lm_head({"model_name": str(folder)}, 0)
+    hidden = torch.randn(8, 12, 64, generator=torch.Generator().manual_seed(3))
+    opd = BatchedDataDict({**data, "teacher_full_payload": hidden})
+    out["train"].append(worker.train(opd, FullDistillationLoss()))
+    return out | {"logprobs_after": worker.get_logprobs(data=data)["logprobs"]}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def single(model_dir: Path) -> dict[str, object]:
-    return results(MegatronPolicyWorker(config(model_dir)))
+    return results(MegatronPolicyWorker(config(model_dir)), model_dir)
 
 
 def assert_equal_results(got: dict, want: dict) -> None:
@@ -69,7 +76,8 @@ def assert_equal_results(got: dict, want: dict) -> None:
     assert torch.equal(got["topk_indices"], want["topk_indices"])
     for g, w in zip(got["train"], want["train"], strict=True):
         for key in ("loss", "grad_norm", "actor_loss", "probs_ratio", "global_valid_toks"):
-            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
+            if key in w:
+                assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), key
 
 
 def assert_gone(pids: list[int]) -> None:
@@ -132,14 +140,14 @@ def test_shards_are_equal_in_rows_balanced_in_tokens_and_keep_examples_whole():
 @pytest.mark.parametrize("layout", ["dp2", "tp2"])
 def test_local_group_equals_one_worker(layout, model_dir, single):
     with Policy(config(model_dir, tp=2 if layout == "tp2" else 1), num_workers=2) as policy:
-        assert_equal_results(results(policy), single)
+        assert_equal_results(results(policy, model_dir), single)
         pids = policy.pids
     assert_gone(pids)
 
 
 def test_ray_group_equals_one_worker(model_dir, single):
     with Policy(config(model_dir), num_workers=2, backend="ray") as policy:
-        assert_equal_results(results(policy), single)
+        assert_equal_results(results(policy, model_dir), single)
         pids = policy.pids
     assert_gone(pids)
 

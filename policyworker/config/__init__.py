@@ -351,6 +351,11 @@ class PolicyConfig:
     """Generation temperature: logits are divided by it before logprobs, top-k and the loss."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 disables clipping)."""
+    opd_full_teacher_lm_head_lifecycle: Literal["none", "offload", "evict"] = "none"
+    """Where the teacher LM-head shards of full-vocabulary distillation
+    (`load_opd_full_teacher_lm_head`) stay outside training: on the device ("none"), on the host
+    ("offload"), or nowhere, read again from the teacher's checkpoint at the next step ("evict").
+    Every train step brings them to the device."""
     seed: int = 42
     """Seed for torch and megatron's RNG tracker."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -405,6 +410,10 @@ class PolicyConfig:
         t, g = self.temperature, self.max_grad_norm
         _check(finite(t) and t > 0, "temperature", "a finite number > 0", t)
         _check(finite(g) and g >= 0, "max_grad_norm", "a finite number >= 0", g)
+        life, lifecycles = self.opd_full_teacher_lm_head_lifecycle, ("none", "offload", "evict")
+        _check(
+            life in lifecycles, "opd_full_teacher_lm_head_lifecycle", f"one of {lifecycles}", life
+        )
         ok = isinstance(self.seed, int) and not isinstance(self.seed, bool)
         _check(ok and 0 <= self.seed < 2**63, "seed", "an int in [0, 2**63)", self.seed)
         self.optimizer.validate()

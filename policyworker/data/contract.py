@@ -160,3 +160,34 @@ def check_routes(data: Any, *, layers: int, topk: int, experts: int) -> None:
     ordered = routes.sort(dim=-1).values
     if ((ordered[..., 1:] == ordered[..., :-1]) & ~missing[..., 1:]).any():
         _fail(ROUTES, f"{topk} distinct experts per token and layer", "a repeated expert id")
+
+
+FULL_PAYLOAD = "teacher_full_payload"
+"""[B, S, D]: a teacher's final hidden states (D = its hidden size) or full-vocabulary logits."""
+
+
+def check_full_payload(
+    data: Any, *, hidden: int | None, vocab: int, indices: list[int] | None
+) -> None:
+    """A full-vocabulary distillation batch: `teacher_full_payload` [B, S, D] of finite floats,
+    D = `hidden` (hidden states) or, with `hidden=None` (logits), D >= `vocab`; with `indices`,
+    `teacher_index` [B], each one of them. Raises `BatchValidationError`."""
+    b, s = data["input_ids"].shape
+    x = data.get(FULL_PAYLOAD)
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[:2] != (b, s):
+        _fail(FULL_PAYLOAD, f"a tensor [B={b}, S={s}, D]", _describe(x))
+    if not x.dtype.is_floating_point:
+        _fail(FULL_PAYLOAD, "a floating-point dtype", str(x.dtype))
+    d = x.shape[2]
+    if hidden is not None and d != hidden:
+        _fail(FULL_PAYLOAD, f"D = {hidden} (the teacher's hidden size: hidden states)", f"D={d}")
+    if hidden is None and d < vocab:
+        _fail(FULL_PAYLOAD, f"D >= {vocab} (the vocabulary: logits)", f"D={d}")
+    if not torch.isfinite(x).all():
+        _fail(FULL_PAYLOAD, "finite values", "NaN or inf")
+    if indices is None:
+        return
+    which = data.get("teacher_index")
+    _check_shape("teacher_index", which, (b,), integer=True)
+    if not torch.isin(which.cpu(), torch.tensor(indices)).all():
+        _fail("teacher_index", f"one of the loaded teachers {indices}", str(which.tolist()))

@@ -194,6 +194,7 @@ class Policy:
     get_topk_logits = dispatched(Output.BATCH, sharded="data")
     calibrate_qkv_fp8_scales = dispatched(Output.FIRST, sharded="data")
     get_logprobs_with_full_payload = dispatched(Output.BATCH, sharded="data")
+    load_opd_full_teacher_lm_head = dispatched()
     train = dispatched(sharded="data", split=Split.GLOBAL_BATCHES)
     begin_train_step = dispatched()
     train_microbatch = dispatched(sharded="data", split=Split.CONTIGUOUS)

@@ -2,7 +2,12 @@
 
 from policyworker.losses.clipped_pg import ClippedPGConfig, ClippedPGLoss
 from policyworker.losses.common import Loss, LossInputs, LossNeeds, masked_mean
-from policyworker.losses.distillation import DistillationConfig, DistillationLoss
+from policyworker.losses.distillation import (
+    DistillationConfig,
+    DistillationLoss,
+    FullDistillationConfig,
+    FullDistillationLoss,
+)
 from policyworker.losses.dpo import DPOConfig, DPOLoss
 from policyworker.losses.nll import NLLLoss
 
@@ -13,6 +18,8 @@ __all__ = [
     "DPOLoss",
     "DistillationConfig",
     "DistillationLoss",
+    "FullDistillationConfig",
+    "FullDistillationLoss",
     "Loss",
     "LossInputs",
     "LossNeeds",

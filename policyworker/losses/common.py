@@ -47,6 +47,9 @@ class LossNeeds:
     """Entropy [B, S] of the distribution at each position (that of token i+1); differentiable."""
     index_key: str | None = None
     """Batch field of vocabulary ids [B, S, k]: their logprobs at each position, differentiable."""
+    teacher_payload: str | None = None
+    """"hidden_states" or "logits": the kind of the batch's `teacher_full_payload` [B, S, D],
+    against which the full-vocabulary reverse KL is taken at each position (None: no KL)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,9 @@ class LossInputs:
     """[B, S] entropy of softmax(logits_i / T)."""
     index_logprobs: torch.Tensor | None = None
     """[B, S, k] log softmax(logits_i / T) at the ids `data[needs.index_key][:, i]`."""
+    reverse_kl: torch.Tensor | None = None
+    """[B, S] KL(student_i || teacher_i) over the whole vocabulary (the distributions of token
+    i+1, both at temperature T); differentiable in the student."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""Distillation from a teacher's top-k logits (NeMo-RL's `DistillationLossFn` semantics).
+"""Distillation: from a teacher's top-k logits (NeMo-RL's `DistillationLossFn` semantics), and from
+its whole vocabulary (`FullDistillationLoss`, at the end).
 
 The batch carries the teacher's `teacher_topk_logits` and `teacher_topk_indices` [B, S, k], as the
 teacher worker's `get_topk_logits` returns them: position i holds the top-k of the distribution
@@ -88,3 +89,57 @@ class DistillationLoss(Loss):
         view = TokenView.of(data)
         loss = masked_mean(per_token, view.mask, counts["global_valid_toks"])
         return loss, {"loss": loss.detach(), "num_valid_samples": view.sample_mask.sum()}
+
+
+PAYLOAD_KINDS = ("hidden_states", "logits")
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class FullDistillationConfig:
+    """Options of `FullDistillationLoss` (full-vocabulary on-policy distillation, "opd_full")."""
+
+    payload: Literal["hidden_states", "logits"] = "hidden_states"
+    """What the batch's `teacher_full_payload` [B, S, D] holds: the teacher's final hidden states
+    (the student multiplies them by the teacher's LM head, `load_opd_full_teacher_lm_head`) or
+    its full-vocabulary logits."""
+    kl_coef: float = 1.0
+    """Weight of the KL in the loss."""
+
+    def __post_init__(self) -> None:
+        if self.payload not in PAYLOAD_KINDS:
+            raise ValueError(f"payload: expected one of {PAYLOAD_KINDS}, got {self.payload!r}")
+        if not (isinstance(self.kl_coef, int | float) and 0 < self.kl_coef < float("inf")):
+            raise ValueError(f"kl_coef: expected a finite number > 0, got {self.kl_coef!r}")
+
+
+class FullDistillationLoss(Loss):
+    """`kl_coef` times the full-vocabulary reverse KL of the student to the teacher, per token:
+
+        loss = kl_coef * sum_i mask_i * KL(p_s(. | x_<=i) || p_t(. | x_<=i)) / global_valid_toks
+
+    over positions 0..S-2 masked by `token_mask[:, 1:] * sample_mask` (the distributions of the
+    tokens that have a logprob), both distributions at the worker's temperature. The KL is
+    computed vocab-parallel and chunked along the sequence (`ops.kl`): no full-vocabulary fp32
+    tensor. The batch carries `teacher_full_payload` as the teacher's
+    `get_logprobs_with_full_payload` returns it (rows may be on CPU; each micro-batch's move to
+    the device when it runs) and, when more than one teacher head is loaded, `teacher_index` [B].
+    """
+
+    required_keys = ("token_mask", "sample_mask", "teacher_full_payload")
+
+    def __init__(self, cfg: FullDistillationConfig | None = None) -> None:
+        self.cfg = cfg = cfg or FullDistillationConfig()
+        self.needs = LossNeeds(logprobs=False, teacher_payload=cfg.payload)
+
+    def __call__(
+        self,
+        inputs: LossInputs,
+        data: Mapping[str, torch.Tensor],
+        counts: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert inputs.reverse_kl is not None
+        view = TokenView.of(data)
+        kl = masked_mean(inputs.reverse_kl[:, :-1], view.mask, counts["global_valid_toks"])
+        loss = self.cfg.kl_coef * kl
+        metrics = {"loss": loss.detach(), "reverse_kl": kl.detach()}
+        return loss, metrics | {"num_valid_samples": view.sample_mask.sum()}

@@ -67,6 +67,11 @@ PHASES = {
 }
 
 
+TRAIN_BUFFERS_KEPT = (MemoryPhase.TRAINING, MemoryPhase.LP_INFERENCE_KEEP_TRAIN_BUFFERS)
+"""The phases that keep what training needs on the device (the others release the rest, e.g.
+the teacher LM heads of full-vocabulary distillation)."""
+
+
 def enter_phase(residency: Residency, phase: MemoryPhase, *, step_open: bool) -> None:
     """Move the state to the phase's placement; when it frees anything, return the allocator's
     cached blocks to the driver so that a colocated engine can use them. Logs (DEBUG) after."""

@@ -110,6 +110,13 @@ class SafetensorsReader:
     def names(self) -> set[str]:
         return set(self._files)
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the 2-D tensor `name`, reading only those."""
+        if name not in self._files:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
+        with safe_open(self._files[name], framework="pt") as f:
+            return f.get_slice(name)[start:stop]
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name`; a per-expert name is also read out of transformers' fused layout
         (only that expert's rows are read)."""

@@ -21,6 +21,7 @@ entropy, top-k and index logprobs at i describe the distribution of token i+1 (t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,7 @@ class Head:
         return self.hidden.shape[-1] if self.weight is None else self.weight.shape[0]
 
 
-def _wide(x: torch.Tensor) -> torch.Tensor:
+def wide(x: torch.Tensor) -> torch.Tensor:
     """Accumulation precision: fp32 for bf16/fp32 logits, fp64 for fp64 (exact tests)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
@@ -73,21 +74,21 @@ def _max_and_picked(
     x: torch.Tensor, target: torch.Tensor, inside: torch.Tensor, inv_t: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row max [n] and the logits at `target` [n, k] (0 where this rank does not own the id)."""
-    x32 = _wide(x) * inv_t
+    x32 = wide(x) * inv_t
     picked = x32.gather(-1, target)
     return x32.amax(-1), torch.where(inside, picked, torch.zeros_like(picked))
 
 
 @cuda_compiled
-def _sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
+def sum_exp(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
     """[1, n]: sum(exp(x / T - max))."""
-    return torch.exp(_wide(x) * inv_t - row_max[:, None]).sum(-1)[None]
+    return torch.exp(wide(x) * inv_t - row_max[:, None]).sum(-1)[None]
 
 
 @cuda_compiled
 def _exp_sums(x: torch.Tensor, row_max: torch.Tensor, inv_t: float) -> torch.Tensor:
     """[2, n]: sum(e) and sum(e * y) with y = x / T - max, e = exp(y) (the second for entropy)."""
-    y = _wide(x) * inv_t - row_max[:, None]
+    y = wide(x) * inv_t - row_max[:, None]
     e = torch.exp(y)
     return torch.stack([e.sum(-1), (e * y).sum(-1)])
 
@@ -102,7 +103,7 @@ def _grad_one(
     inv_t: float,
 ) -> torch.Tensor:
     """k = 1 (token logprobs): (onehot(target) - softmax) / T times the incoming grad, one pass."""
-    softmax = torch.exp(_wide(x) * inv_t - lse[:, None])
+    softmax = torch.exp(wide(x) * inv_t - lse[:, None])
     cols = torch.arange(x.shape[-1], device=x.device)[None, :]
     onehot = ((cols == target) & inside).float()
     return ((onehot - softmax) * (grad * inv_t)).to(x.dtype)
@@ -118,7 +119,7 @@ def _grad_many(
     inv_t: float,
 ) -> torch.Tensor:
     """k ids per row: sum_j grad_j (onehot(target_j) - softmax) / T."""
-    softmax = torch.exp(_wide(x) * inv_t - lse[:, None])
+    softmax = torch.exp(wide(x) * inv_t - lse[:, None])
     out = -softmax * (grad.sum(-1, keepdim=True) * inv_t)
     out = out.scatter_add(-1, target, torch.where(inside, grad * inv_t, torch.zeros_like(grad)))
     return out.to(x.dtype)
@@ -129,26 +130,32 @@ def _grad_entropy(
     x: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor, grad: torch.Tensor, inv_t: float
 ) -> torch.Tensor:
     """dH/dx = -p (log p + H) / T, times the incoming grad."""
-    logp = _wide(x) * inv_t - lse[:, None]
+    logp = wide(x) * inv_t - lse[:, None]
     p = torch.exp(logp)
     return (-p * (logp + entropy[:, None]) * (grad * inv_t)[:, None]).to(x.dtype)
 
 
-def _spans(n: int, chunk: int | None) -> list[tuple[int, int]]:
+ChunkGrad = Callable[[int, int, torch.Tensor], torch.Tensor]
+"""(first row, end row, the chunk's logits) -> the gradient for those logits."""
+
+
+def spans(n: int, chunk: int | None) -> list[tuple[int, int]]:
     """Row ranges of the chunks (one, possibly empty, range when unchunked)."""
     if chunk is None or chunk >= n:
         return [(0, n)]
     return [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor | None, cols: int) -> torch.Tensor:
+def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor | None, cols: int) -> torch.Tensor:
     """One chunk's logits, the real vocabulary columns only."""
     if weight is None:
         return hidden[:, :cols]
     return F.linear(hidden, weight[:cols])
 
 
-def _reduce(t: torch.Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM) -> None:
+def all_reduce(
+    t: torch.Tensor, group: dist.ProcessGroup | None, op: Any = dist.ReduceOp.SUM
+) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
 
@@ -204,27 +211,27 @@ class _ChunkedStats(torch.autograd.Function):
         inside = (local >= 0) & (local < cols)
         local = local.clamp(0, max(cols - 1, 0))
         n = hidden.shape[0]
-        spans = _spans(n, opts.chunk_tokens)
+        parts = spans(n, opts.chunk_tokens)
         lse = hidden.new_empty(n, dtype=torch.promote_types(hidden.dtype, torch.float32))
         lp = lse.new_empty(target.shape)
         entropy = lse.new_empty(n) if want_entropy else None
         kept = None
-        for a, b in spans:
-            x = _logits(hidden[a:b], weight, cols)
+        for a, b in parts:
+            x = chunk_logits(hidden[a:b], weight, cols)
             if target.shape[-1]:
                 row_max, picked = _max_and_picked(x, local[a:b], inside[a:b], inv_t)
-                _reduce(picked, opts.tp_group)
+                all_reduce(picked, opts.tp_group)
             else:  # the entropy alone: no ids to pick (and no empty gather to compile)
-                row_max, picked = (_wide(x.amax(-1)) * inv_t).contiguous(), lp[a:b]
-            _reduce(row_max, opts.tp_group, dist.ReduceOp.MAX)
-            sums = (_exp_sums if want_entropy else _sum_exp)(x, row_max, inv_t)
-            _reduce(sums, opts.tp_group)
+                row_max, picked = (wide(x.amax(-1)) * inv_t).contiguous(), lp[a:b]
+            all_reduce(row_max, opts.tp_group, dist.ReduceOp.MAX)
+            sums = (_exp_sums if want_entropy else sum_exp)(x, row_max, inv_t)
+            all_reduce(sums, opts.tp_group)
             lse[a:b] = row_max + sums[0].log()
             lp[a:b] = picked - lse[a:b, None]
             if entropy is not None:
                 entropy[a:b] = sums[0].log() - sums[1] / sums[0]
             # one chunk: keep its logits for the backward; several: each is recomputed there
-            kept = x if len(spans) == 1 else None
+            kept = x if len(parts) == 1 else None
         ctx.save_for_backward(hidden, weight, kept, lse, entropy, local, inside)
         ctx.opts, ctx.cols = opts, cols
         return lp, entropy
@@ -235,25 +242,47 @@ class _ChunkedStats(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, kept, lse, entropy, local, inside = ctx.saved_tensors
         opts, cols = ctx.opts, ctx.cols
-        want_h, want_w = ctx.needs_input_grad[:2]
-        grad_h = torch.zeros_like(hidden) if want_h else None
-        spans = _spans(hidden.shape[0], opts.chunk_tokens)
-        grad_w = None
-        if want_w:  # [V/tp, H]; the chunks' parts add up in fp32, one chunk's is one matmul
-            wide = weight.dtype if len(spans) == 1 else torch.float32
-            grad_w = weight.new_zeros(weight.shape, dtype=torch.promote_types(wide, weight.dtype))
-        for a, b in spans:
-            x = kept if kept is not None else _logits(hidden[a:b], weight, cols)
+
+        def chunk_grad(a: int, b: int, x: torch.Tensor) -> torch.Tensor:
             picks = _Picks(
                 lse[a:b], None if entropy is None else entropy[a:b], local[a:b], inside[a:b]
             )
-            gx = _grad_chunk(
+            return _grad_chunk(
                 x,
                 picks,
                 None if grad_lp is None else grad_lp[a:b].contiguous(),
                 None if grad_ent is None else grad_ent[a:b].contiguous(),
                 1.0 / opts.temperature,
             )
+
+        grads = head_grads(hidden, weight, kept, cols, opts.chunk_tokens, ctx.needs_input_grad)
+        return (*grads(chunk_grad), None, None, None, None, None)
+
+
+def head_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor | None,
+    kept: torch.Tensor | None,
+    cols: int,
+    chunk_tokens: int | None,
+    needs: tuple[bool, ...],
+) -> Callable[[ChunkGrad], tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """The backward of a chunked pass over `hidden @ weight.T` (`kept`: the logits of a single
+    chunk, else each chunk's are recomputed): given each chunk's gradient for its logits
+    (`chunk_grad(a, b, logits)`), the gradients (hidden, weight) as `needs` asks."""
+
+    def run(chunk_grad: ChunkGrad) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        want_h, want_w = needs[:2]
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        parts = spans(hidden.shape[0], chunk_tokens)
+        grad_w = None
+        if want_w:  # [V/tp, H]; the chunks' parts add up in fp32, one chunk's is one matmul
+            assert weight is not None
+            acc = weight.dtype if len(parts) == 1 else torch.float32
+            grad_w = weight.new_zeros(weight.shape, dtype=torch.promote_types(acc, weight.dtype))
+        for a, b in parts:
+            x = kept if kept is not None else chunk_logits(hidden[a:b], weight, cols)
+            gx = chunk_grad(a, b, x)
             if weight is None:  # `hidden` are the logits
                 if grad_h is not None:
                     grad_h[a:b, :cols] = gx
@@ -263,11 +292,14 @@ class _ChunkedStats(torch.autograd.Function):
             if grad_w is not None:
                 grad_w[:cols] += gx.t() @ hidden[a:b]
         if grad_w is not None:
+            assert weight is not None
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w
+
+    return run
 
 
-def _vocab_part(head: Head, opts: LogitOptions) -> tuple[int, int]:
+def vocab_part(head: Head, opts: LogitOptions) -> tuple[int, int]:
     """(this rank's real vocabulary columns, the global id of its first column). The output
     layer pads the vocabulary to a multiple of TP; padded columns never count."""
     start = opts.tp_rank * head.part
@@ -284,7 +316,7 @@ def logprobs_at(
     the ids it owns; only the log-normalizer and the picked values cross ranks."""
     b, s, _ = head.hidden.shape
     k = ids.shape[-1]
-    cols, start = _vocab_part(head, opts)
+    cols, start = vocab_part(head, opts)
     lp, ent = _ChunkedStats.apply(
         head.hidden.reshape(b * s, -1),
         head.weight,
@@ -304,15 +336,15 @@ def topk(head: Head, k: int, opts: LogitOptions) -> tuple[torch.Tensor, torch.Te
     i+1 (the logits at i)."""
     b, s, _ = head.hidden.shape
     hidden = head.hidden.reshape(b * s, -1)
-    cols, start = _vocab_part(head, opts)
+    cols, start = vocab_part(head, opts)
     # Every rank offers the same number of candidates (all_gather wants equal shapes); a rank
     # with fewer real columns than that offers -inf for the rest.
     local_k, taken = min(k, head.part), min(k, cols)
     vals = hidden.new_full((b * s, local_k), float("-inf"), dtype=torch.float32)
     idx = torch.zeros((b * s, local_k), dtype=torch.int64, device=hidden.device)
     with torch.no_grad():
-        for a, e in _spans(b * s, opts.chunk_tokens):
-            x = _logits(hidden[a:e], head.weight, cols)
+        for a, e in spans(b * s, opts.chunk_tokens):
+            x = chunk_logits(hidden[a:e], head.weight, cols)
             v, i = (x.float() / opts.temperature).topk(taken, dim=-1)
             vals[a:e, :taken], idx[a:e, :taken] = v, i + start
     world = 1 if opts.tp_group is None else dist.get_world_size(opts.tp_group)

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import ROUTES, check_routes, validate_batch
+from policyworker.data.contract import FULL_PAYLOAD, ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
+from policyworker.losses.distillation import PAYLOAD_KINDS
 from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
@@ -213,8 +214,8 @@ class Collector:
         return out
 
 
-PAYLOAD = "teacher_full_payload"
-PAYLOADS = ("hidden_states", "logits")
+PAYLOAD = FULL_PAYLOAD
+PAYLOADS = PAYLOAD_KINDS
 
 
 _PAYLOAD_DTYPES = {

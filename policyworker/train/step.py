@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from policyworker.train.schedule import (
     split_evenly,
     sum_over_dp,
 )
+from policyworker.train.teacher import TeacherHeads
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def add_chunk(
     groups: Groups,
     logits: LogitOptions,
     routing: Routing | None = None,
+    teachers: TeacherHeads | None = None,
 ) -> None:
     """Forward/backward one chunk of this rank's share (already validated and prepared);
     gradients accumulate locally. Every DP rank adds its chunk at the same time."""
@@ -119,7 +121,7 @@ def add_chunk(
     records: list[tuple[LossInputs, Mapping[str, torch.Tensor]]] = []
 
     def fn(head: Head, mb: Microbatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        inputs = loss_inputs(head, mb, loss_fn.needs, logits)
+        inputs = loss_inputs(head, mb, loss_fn.needs, logits, teachers)
         loss, _ = loss_fn(inputs, mb.data, counts)
         records.append((_detached(inputs), mb.data))
         return loss, {}
@@ -251,11 +253,5 @@ def _metrics(
 
 
 def _detached(inputs: LossInputs) -> LossInputs:
-    def d(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.detach()
-
-    return LossInputs(
-        logprobs=d(inputs.logprobs),
-        entropy=d(inputs.entropy),
-        index_logprobs=d(inputs.index_logprobs),
-    )
+    values = {f.name: getattr(inputs, f.name) for f in fields(inputs)}
+    return LossInputs(**{k: None if v is None else v.detach() for k, v in values.items()})

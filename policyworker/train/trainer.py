@@ -18,7 +18,7 @@ import torch
 
 from policyworker.config import finite
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import ROUTES, check_routes, validate_batch
+from policyworker.data.contract import FULL_PAYLOAD, ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
 from policyworker.model.routing import RouteCounts
@@ -39,6 +39,7 @@ from policyworker.train.step import (
     summarize,
     zero_grads,
 )
+from policyworker.train.teacher import TeacherHeads
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,6 +73,7 @@ class Trainer:
         dp: int,
         device: torch.device,
         settings: TrainSettings,
+        teachers: TeacherHeads,
         routes: RouteCounts | None = None,
         replay: RouteSpec | None = None,
     ) -> None:
@@ -82,6 +84,8 @@ class Trainer:
         """An MoE model's tokens per expert, counted during a step's forwards."""
         self.replay = replay
         """An MoE model's routers (router replay)."""
+        self.teachers = teachers
+        """Teachers' LM-head shards (full-vocabulary distillation from hidden states)."""
         self._step: OpenStep | None = None
 
     @property
@@ -118,7 +122,7 @@ class Trainer:
         self.plan.check(
             data["input_lengths"].tolist(), train=True, rows_per_example=loss_fn.rows_per_example
         )
-        data = loss_fn.prepare_batch(data).to(self.device)
+        data = self._on_device(loss_fn.prepare_batch(data))
         results = []
         for start in range(0, b, local):
             chunk = data.slice(start, start + local)
@@ -159,7 +163,7 @@ class Trainer:
             )
         lengths = data["input_lengths"].tolist()
         self.plan.check(lengths, train=True, rows_per_example=spec.loss_fn.rows_per_example)
-        self._add(spec.loss_fn.prepare_batch(data).to(self.device))
+        self._add(self._on_device(spec.loss_fn.prepare_batch(data)))
 
     def finish(self) -> dict[str, Any]:
         """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics.
@@ -188,16 +192,17 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["max_lr"] = group["lr"] = lr
 
-    def check_batch(self, data: BatchedDataDict, required: tuple[str, ...]) -> None:
+    def check_batch(self, data: BatchedDataDict, loss_fn: Loss) -> None:
         """The batch against the contract and the loss's keys (`BatchValidationError`)."""
         s = self.settings
-        if s.router_replay:
-            required = (*required, ROUTES)
+        required = loss_fn.required_keys + ((ROUTES,) if s.router_replay else ())
         validate_batch(data, required=required, max_seq_len=s.max_seq_len, vocab_size=s.vocab_size)
         if s.router_replay:
             assert self.replay is not None
             r = self.replay
             check_routes(data, layers=r.num_layers, topk=r.topk, experts=r.experts)
+        if loss_fn.needs.teacher_payload is not None:
+            self.teachers.check_batch(data, loss_fn.needs.teacher_payload)
 
     def checked(self, call: str, *, step_open: bool | None) -> Trainer:
         """This trainer, if `call` may use it: a step is open (`step_open=True`) or not (False;
@@ -232,6 +237,8 @@ class Trainer:
     def _add(self, data: BatchedDataDict) -> None:
         assert self._step is not None
         try:
+            if self._step.spec.loss_fn.needs.teacher_payload == "hidden_states":
+                self.teachers.stage()
             add_chunk(
                 self._step,
                 self.ddp,
@@ -240,12 +247,22 @@ class Trainer:
                 groups=self.groups,
                 logits=self.settings.logits,
                 routing=self._routing(),
+                teachers=self.teachers,
             )
         except BaseException as e:
             self._step = None
             zero_grads(self.ddp, self.optimizer)
             e.add_note("policyworker: the open train step was aborted (gradients dropped)")
             raise
+
+    def _on_device(self, data: BatchedDataDict) -> BatchedDataDict:
+        """The batch on the device, but a teacher's full payload: it can be far larger than the
+        rest ([B, S, V] logits), so each micro-batch's rows move when it runs."""
+        rest = BatchedDataDict({k: v for k, v in data.items() if k != FULL_PAYLOAD})
+        moved = rest.to(self.device)
+        if FULL_PAYLOAD in data:
+            moved[FULL_PAYLOAD] = data[FULL_PAYLOAD]
+        return moved
 
     def _routing(self) -> Routing | None:
         if self.replay is None:
