@@ -258,6 +258,10 @@ class MegatronPolicyWorker:
         """`{hf_name: (shape, dtype)}` of the whole model in refit order (collective over PP)."""
         return self.refit.info()
 
+    def enable_refit_prequantize(self, param_names: list[str]) -> RefitInfo:
+        """Send `param_names` as MXFP8 (+ `*_scale_from_checkpoint`); the updated refit info."""
+        return self.refit.prequantize(param_names)
+
     def get_zmq_address(self) -> str:
         """The ZMQ endpoint this rank's colocated receiver connects to for IPC refits."""
         return self.refit.address

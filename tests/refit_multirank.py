@@ -1,5 +1,6 @@
-"""An IPC refit from a TP2 or PP2 trainer (two gloo ranks) into one generation process, for
-tests/test_refit.py. Rank 0 hosts the receiver and sends; rank 1 only takes part in the gathers.
+"""An IPC refit from a TP2 or PP2 trainer (two gloo ranks) into one generation process, then one
+with every matrix prequantized to MXFP8 into another, for tests/test_refit.py. Rank 0 hosts the
+receivers and sends; rank 1 only takes part in the gathers.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/refit_multirank.py MODEL OUT.pt TP PP
 """
@@ -33,11 +34,21 @@ def main() -> None:
     if gen is not None:
         gen.begin_refit_ipc(worker.get_zmq_address())
     report = worker.stream_weights_via_ipc_zmq(buffer_size_bytes=8192, send=sender)
+    result = {}
     if gen is not None:
         version = gen.end_refit()
-        torch.save(
-            {"info": info, "weights": gen.weights(), "version": version, "report": report}, out
-        )
+        result = {"info": info, "weights": gen.weights(), "version": version, "report": report}
+        gen.close()
+    # then MXFP8: every matrix prequantized (quantized after the TP gather / PP broadcast)
+    names = [n for n, (shape, _) in info.items() if len(shape) == 2 and shape[-1] % 32 == 0]
+    mx_info = worker.enable_refit_prequantize(names)
+    gen = GenerationProcess(model, mx_info) if sender else None
+    if gen is not None:
+        gen.begin_refit_ipc(worker.get_zmq_address())
+    worker.stream_weights_via_ipc_zmq(buffer_size_bytes=8192, send=sender)
+    if gen is not None:
+        gen.end_refit()
+        torch.save({**result, "mxfp8_names": names, "mxfp8_weights": gen.weights()}, out)
         gen.close()
     dist.destroy_process_group()
 

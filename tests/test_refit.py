@@ -21,6 +21,7 @@ from policyworker.generation.engine import HFEngine
 from policyworker.generation.process import EngineError, GenerationProcess
 from policyworker.losses import NLLLoss
 from policyworker.model.build import global_named_parameters
+from policyworker.ops.mxfp8 import SCALE_SUFFIX, quantize_mxfp8
 from policyworker.refit.export import model_tensors
 from policyworker.refit.ipc import send_ipc
 from policyworker.refit.layout import ALIGN, Layout, RefitError, checksum
@@ -149,7 +150,7 @@ def test_ipc_refit_is_exact_and_versioned(llama_dir, shared, checksum):
             # the same scoring on both sides: equal bit for bit
             with torch.no_grad():
                 for name, tensor in sent.items():
-                    local.refit_targets({name})[name].copy_(tensor)
+                    local.refit_targets({name: info[name]})[name].copy_(tensor)
             ids, lengths = data["input_ids"], data["input_lengths"]
             assert torch.equal(gen.logprobs(ids, lengths), local.logprobs(ids, lengths))
 
@@ -266,7 +267,7 @@ def test_bad_refit_arguments_are_refused(llama_dir):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_path):
     """Gathered TP shards and broadcast pipeline stages arrive as the checkpoint's tensors,
-    each name once."""
+    each name once; prequantized to MXFP8, as the quantization of the checkpoint's."""
     folder = make_hf_model(  # tied: the last stage's output layer copy is never sent
         tmp_path_factory.mktemp("refit_mr"), "qwen2", vocab_size=128, tie_word_embeddings=True
     )
@@ -281,6 +282,15 @@ def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_p
     assert got["weights"].keys() == checkpoint.keys()
     assert all(torch.equal(got["weights"][n], checkpoint[n]) for n in checkpoint)
     assert got["version"] == got["report"].version == 1
+    mx, names = got["mxfp8_weights"], got["mxfp8_names"]  # prequantized: the same weights
+    assert len(names) > 10 and len(mx) == len(checkpoint) + len(names)
+    for name, tensor in checkpoint.items():
+        if name in names:
+            values, scales = quantize_mxfp8(tensor)
+            assert torch.equal(mx[name].view(torch.uint8), values.view(torch.uint8)), name
+            assert torch.equal(mx[name + SCALE_SUFFIX], scales), name
+        else:
+            assert torch.equal(mx[name], tensor), name
 
 
 @pytest.mark.processes

@@ -213,6 +213,7 @@ class Policy:
     check_tensor_parallel_attributes = dispatched(Output.ALL)
 
     prepare_refit_info = dispatched()
+    enable_refit_prequantize = dispatched()
     get_zmq_address = dispatched(Output.ALL)
     stream_weights_via_ipc_zmq = dispatched(Output.ALL, per_rank=("send",))
     init_collective = dispatched()

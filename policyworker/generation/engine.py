@@ -7,12 +7,14 @@ responses with their generation logprobs, `logprobs` scores sequences with the w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from policyworker.model.experts import transformers_view
+from policyworker.ops.mxfp8 import SCALE_SUFFIX, dequantize_mxfp8
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,12 +62,33 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.device = device
 
-    def refit_targets(self, names: set[str]) -> dict[str, torch.Tensor]:
-        """The parameters a refit of `names` (on-disk HF names) writes: transformers' own, or a
-        view into its fused experts (a tied lm_head shares the embedding)."""
+    def refit_targets(self, info: Mapping[str, tuple[Any, torch.dtype]]) -> dict[str, torch.Tensor]:
+        """The tensors a refit of `info` ({on-disk HF name: (shape, dtype)}) writes:
+        transformers' parameters, or a view into its fused experts (a tied lm_head shares the
+        embedding); for an MXFP8 weight (prequantized refit), a float8 and a uint8 tensor that
+        `load_mxfp8` turns into the parameter after each refit."""
         state = self.model.state_dict(keep_vars=True)
-        views = {n: transformers_view(state, n) for n in names}
-        return {n: t for n, t in views.items() if t is not None}
+        out: dict[str, torch.Tensor] = {}
+        self._mxfp8: dict[str, torch.Tensor] = {}
+        for name, (shape, dtype) in info.items():
+            live = transformers_view(state, name.removesuffix(SCALE_SUFFIX))
+            if live is None:
+                continue
+            if dtype in (torch.float8_e4m3fn, torch.uint8):
+                out[name] = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+                if dtype == torch.float8_e4m3fn:
+                    self._mxfp8[name] = live
+            else:
+                out[name] = live
+        return out
+
+    @torch.no_grad()
+    def load_mxfp8(self, targets: Mapping[str, torch.Tensor]) -> None:
+        """After a refit, each MXFP8 weight dequantized into its parameter (an FP8 engine would
+        compute with the values and scales as they are; this one computes in its dtype)."""
+        for name, live in self._mxfp8.items():
+            values, scales = targets[name], targets[name + SCALE_SUFFIX]
+            live.copy_(dequantize_mxfp8(values, scales).to(live.dtype))
 
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

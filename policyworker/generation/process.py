@@ -220,12 +220,13 @@ def _serve(
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
 
-    dtypes = {dtype for _, dtype in info.values()}
+    # the model's dtype: that of its weights (not of MXFP8 values or scales)
+    dtypes = {dtype for _, dtype in info.values() if dtype.is_floating_point and dtype.itemsize > 1}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
     engine = HFEngine(
         model_dir, tokenizer, device=torch.device(device), dtype=dtype, load_weights=load_weights
     )
-    targets = engine.refit_targets(set(info))
+    targets = engine.refit_targets(info)
     staging = Staging(info, targets, adopt=True, shared=shared_staging)  # adopt: no CUDA graphs
     conn.send((0, "ok", None))
     handlers = {
@@ -257,10 +258,12 @@ def _serve(
             if name == "refit_ipc":
                 address, timeout_s = payload
                 value = receive_ipc(staging, address=address, timeout_s=timeout_s)
+                engine.load_mxfp8(staging.targets)
             elif name == "refit_collective":
                 if group is None:
                     raise RuntimeError("refit_collective: init_collective() first")
                 value = receive_refit(group, staging, device=engine.device, timeout_s=payload[0])
+                engine.load_mxfp8(staging.targets)
             else:
                 value = handlers[name](*payload)
             conn.send((command, "ok", value))

@@ -20,6 +20,7 @@ from policyworker.refit.export import model_tensors, owners, refit_info
 from policyworker.refit.group import join_refit_group
 from policyworker.refit.ipc import IpcLink, remove_socket_file, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo, RefitReport
+from policyworker.refit.prequantize import check_prequantize, prequantized, prequantized_info
 from policyworker.refit.reshard import Member, ReshardGroup, report
 
 MiB = 1 << 20
@@ -52,7 +53,9 @@ class RefitSource:
         self.device, self.cfg = device, cfg
         self.version = 0
         """Version of the weights last refitted (0: none yet); each refit sends version + 1."""
-        self._info: RefitInfo | None = None
+        self._base: RefitInfo | None = None  # the bf16 refit info
+        self._info: RefitInfo | None = None  # what is sent (MXFP8 slots when prequantizing)
+        self._mxfp8: frozenset[str] = frozenset()
         self._group: dist.ProcessGroup | None = None  # the collective refit group (sender only)
         self._owners: list[int] = []
         self._reshard: ReshardGroup | None = None
@@ -76,10 +79,35 @@ class RefitSource:
     def info(self) -> RefitInfo:
         """Refit info of the whole model (collective over the pipeline group the first time)."""
         if self._info is None:
-            params = self._params()
-            self._info = refit_info(params, self.shape, self.groups)
-            self._owners = owners(params, self.shape, self.groups)
+            base = self._base_info()
+            self._info = prequantized_info(base, self._mxfp8) if self._mxfp8 else base
         return self._info
+
+    def prequantize(self, names: object) -> RefitInfo:
+        """Send `names` as MXFP8 from now on (an empty list: none); the new refit info."""
+        if self._reshard is not None:
+            raise ValueError(
+                "enable_refit_prequantize: this worker is in a reshard group, whose members "
+                "exchange megatron weights in the training dtype"
+            )
+        self._mxfp8 = check_prequantize(names, self._base_info())
+        self._info = self._layout = None
+        return self.info()
+
+    def _base_info(self) -> RefitInfo:
+        if self._base is None:
+            params = self._params()
+            self._base = refit_info(params, self.shape, self.groups)
+            self._owners = owners(params, self.shape, self.groups)
+        return self._base
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a refit sends, in `info()` order (collective over TP and PP)."""
+        base = self._base_info()
+        stream = model_tensors(
+            self._params(), self.shape, self.groups, base, self._owners, self.device
+        )
+        return prequantized(stream, self._mxfp8) if self._mxfp8 else stream
 
     def stream_ipc(
         self, *, buffer_size_bytes: int, timeout_s: float | None, send: bool
@@ -92,9 +120,7 @@ class RefitSource:
         if self._layout is None or self._layout.bucket_bytes != size:  # Python over every tensor
             self._layout = Layout(info, size)
         layout = self._layout
-        tensors = model_tensors(
-            self._params(), self.shape, self.groups, info, self._owners, self.device
-        )
+        tensors = self._tensors()
         if not send:
             for _ in tensors:
                 pass
@@ -135,9 +161,7 @@ class RefitSource:
         """One collective refit (collective over the model-parallel group too)."""
         check_refit_args(buffer_size_bytes or 0, timeout_s, num_buffers)
         info = self.info()
-        tensors = model_tensors(
-            self._params(), self.shape, self.groups, info, self._owners, self.device
-        )
+        tensors = self._tensors()
         if self._group is None:
             for _ in tensors:  # take part in the TP/PP gathers
                 pass
@@ -168,6 +192,11 @@ class RefitSource:
     ) -> None:
         """Join the reshard group as a trainer rank (0..sources-1) or a destination rank."""
         check_refit_args(0, timeout_s)
+        if self._mxfp8:
+            raise ValueError(
+                "init_reshard: refit prequantization is on (enable_refit_prequantize); reshard "
+                "members exchange megatron weights in the training dtype"
+            )
         g = self.groups
         mine, world = (destinations, "destinations") if destination else (sources, "sources")
         if mine != dist.get_world_size():
