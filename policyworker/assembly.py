@@ -43,6 +43,7 @@ from policyworker.train.optimizer import (
     optimizer_tensors,
     wrap_ddp,
 )
+from policyworker.train.overlap import Overlap
 from policyworker.train.schedule import RouteSpec
 from policyworker.train.teacher import TeacherHeads, VocabSlice
 from policyworker.train.trainer import Trainer, TrainSettings
@@ -72,6 +73,14 @@ class PolicyState:
     optimizer: Any | None
     scheduler: Any | None
     reference: ReferenceWeights | None
+    overlap: Overlap
+    """DDP's overlapped reduce and gather: `overlap.sync_params()` before parameters are read
+    without a forward."""
+
+    def synced_params(self) -> dict[str, torch.Tensor]:
+        """The parameters by global name, any pending all-gather completed (collective)."""
+        self.overlap.sync_params()
+        return global_named_parameters(self.model)
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -81,7 +90,7 @@ class PolicyState:
     def reference_swapped_in(self) -> Iterator[None]:
         """The reference weights in the live parameters; the live ones back on exit."""
         assert self.reference is not None
-        with self.reference.swapped_into(global_named_parameters(self.model)):
+        with self.reference.swapped_into(self.synced_params()):
             yield
 
     def take_reference(self) -> None:
@@ -142,14 +151,19 @@ def build_state(
         )
     ddp = optimizer = scheduler = None
     if init_optimizer:
-        ddp = wrap_ddp(model, distributed_optimizer=config.optimizer.use_distributed_optimizer)
+        ddp = wrap_ddp(model, config.optimizer)
         optimizer = build_optimizer(ddp, config.optimizer, params_dtype=w.dtype)
         scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
     reference = None
     if init_reference and hf_weights is not None:
         reference = ReferenceWeights(global_named_parameters(model))
     return PolicyState(
-        model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, reference=reference
+        model=model,
+        ddp=ddp,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        reference=reference,
+        overlap=Overlap(ddp),
     )
 
 
@@ -157,7 +171,7 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
     """What refits read, memory phases move and checkpoints save: views of `state`."""
     model, ddp, optimizer = state.model, state.ddp, state.optimizer
     refit = RefitSource(
-        lambda: global_named_parameters(model),
+        state.synced_params,
         w.shape,
         w.groups,
         w.device,
@@ -168,6 +182,7 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
         grads=lambda: grad_buffers(ddp),
         optimizer=lambda: optimizer_tensors(optimizer),
         device=w.device,
+        before_params_move=state.overlap.sync_params,
     )
     trainee = Trainee(
         model=model,
@@ -221,6 +236,7 @@ def build_trainer(
         teachers=teacher_heads(w),
         routes=routes,
         replay=routers,
+        overlap=state.overlap,
     )
 
 

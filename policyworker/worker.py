@@ -194,6 +194,15 @@ class MegatronPolicyWorker:
         if not on_device:  # a paused or offloaded step: its gradients are dropped where they are
             self.memory.place({"grads": Where.FREED})
 
+    def enable_forward_pre_hook(self) -> None:
+        """Gather parameters in the forward's pre-hooks (`optimizer.overlap_param_gather`)."""
+        self.state.overlap.enable_hooks()
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove those hooks; a pending gather completes now, whatever `param_sync` says."""
+        del param_sync  # a forward without hooks must never read stale shards
+        self.state.overlap.disable_hooks()
+
     def set_learning_rate(self, lr: float) -> None:
         """Restart the schedule at a new peak lr (e.g. SFT warm-up, then RL at a smaller lr)."""
         self._trainer("set_learning_rate", step_open=None).set_lr(lr)
@@ -324,6 +333,7 @@ class MegatronPolicyWorker:
         if paths[1] is not None or self._step_open:
             self._trainer("save_checkpoint")
         self.memory.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
+        self.state.overlap.sync_params()  # whole parameters, not the step's pending shards
         step = self.trainer.steps_done if self.trainer else 0
         self.checkpoints.save(
             *paths,

@@ -1,7 +1,7 @@
 """Checkpoint runs for `test_checkpoint.py`, under torchrun (or in the test process, world 1).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_multirank.py \
-        save|resume MODEL CKPT OUT.pt TP PP [distopt] [ep]
+        save|resume MODEL CKPT OUT.pt TP PP [distopt] [overlap] [ep]
 
 `save`: one GRPO step, a sync save (CKPT/sync) and an async save (CKPT/async) of the same state,
 three more steps while the async write goes on, then finalize. `resume`: a new worker built from
@@ -57,8 +57,8 @@ def steps(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, obje
 def run_save(worker: MegatronPolicyWorker, ckpt: Path) -> dict[str, object]:
     data = shard_of(worker)
     worker.train(data, ClippedPGLoss())
+    worker.save_checkpoint(*paths(ckpt, "sync"))  # right after the step: before any forward
     out: dict[str, object] = {"lp_at_save": logprobs(worker, data)}
-    worker.save_checkpoint(*paths(ckpt, "sync"))
     worker.save_checkpoint(*paths(ckpt, "async"), async_save=True)
     out.update(steps(worker, data))  # the async write goes on meanwhile
     assert worker.finalize_async_save()
@@ -77,7 +77,14 @@ def run_resume(worker: MegatronPolicyWorker, ckpt: Path) -> dict[str, object]:
 def main() -> None:
     mode, model, ckpt, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     tp, pp, flags = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
-    cfg = config(model, tp=tp, pp=pp, distopt="distopt" in flags, ep=2 if "ep" in flags else 1)
+    cfg = config(
+        model,
+        tp=tp,
+        pp=pp,
+        distopt="distopt" in flags,
+        overlap="overlap" in flags,
+        ep=2 if "ep" in flags else 1,
+    )
     if mode == "save":
         result = run_save(MegatronPolicyWorker(cfg), ckpt)
     else:

@@ -3,7 +3,8 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUTDIR \
         NAME:TP:PP[:flag,flag...] ...
-        (flags: pack, distopt, sp, cp, split; ep: EP2, etp: expert TP = TP, allgather: that
+        (flags: pack, distopt, sp, cp, split; overlap: overlapped grad reduce and param gather
+        (with distopt); ep: EP2, etp: expert TP = TP, allgather: that
         token dispatcher; recompute / selrecompute: full / selective activation recompute;
         chunk: logits in chunks of CHUNK tokens; replay: router replay of the routes chosen on
         the first call; seqaux: a per-sequence load-balancing loss)
@@ -87,6 +88,12 @@ def layout_results(
         "reference_logprobs"
     ]
     out["train"] = [train(worker, data, ClippedPGLoss(), None, split) for _ in range(2)]
+    # read right after the step (what a refit reads; with overlapped parameter gathers, no
+    # forward has gathered them yet): per HF tensor, its float64 sum and sum of squares
+    out["export_after_train"] = {
+        name: (t.double().sum().item(), t.double().square().sum().item())
+        for name, t in worker.export_hf_weights()
+    }
     out["logprobs_after"] = worker.get_logprobs(data=data)["logprobs"]
     out["tp_attributes"] = worker.check_tensor_parallel_attributes()
     # the whole vocabulary's logits (last pipeline stage only: None on rank 0 under PP)
@@ -99,6 +106,9 @@ def layout_results(
     # One step of each other loss (their gradients show in grad_norm), in a fixed order.
     out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
     out["train"] += full_distillation_steps(worker, data, split)
+    # the reference swapped in and out right after a step (with overlapped gathers: the live
+    # weights it saves and restores must be whole)
+    out["reference_after"] = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
     # as the routers choose (transformers' logprobs of the export route on their own too)
     out["logprobs_final"] = worker.get_logprobs(data=data, require_router_replay=False)["logprobs"]
     return out
@@ -144,6 +154,7 @@ def config(
     pp: int,
     pack: bool = False,
     distopt: bool = False,
+    overlap: bool = False,
     sp: bool = False,
     cp: int = 1,
     ep: int = 1,
@@ -165,7 +176,12 @@ def config(
         logprob_batch_size=2,
         max_total_sequence_length=32,
         logprob_chunk_size=chunk,
-        optimizer=OptimizerConfig(lr=1e-3, use_distributed_optimizer=distopt),
+        optimizer=OptimizerConfig(
+            lr=1e-3,
+            use_distributed_optimizer=distopt,
+            overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap,
+        ),
         parallel=ParallelConfig(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
@@ -207,6 +223,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             pp=pp,
             pack="pack" in flags,
             distopt="distopt" in flags,
+            overlap="overlap" in flags,
             sp="sp" in flags,
             cp=2 if "cp" in flags else 1,
             ep=2 if "ep" in flags else 1,
@@ -239,6 +256,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
     full["train"] = [s["train"] for s in shards]
     full["tp_attributes"] = mine["tp_attributes"]  # rank 0's
     full["qkv_scales"] = mine["qkv_scales"]  # every rank's is the same
+    full["export_after_train"] = mine["export_after_train"]  # rank 0's stage
     worker.save_hf_pretrained(out.with_suffix(".hf"))  # collective
     full["dims"] = worker.dims
     full["host_reads_in_layers"] = sorted(set(reads.reads))

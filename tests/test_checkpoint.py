@@ -24,8 +24,10 @@ from policyworker.losses import NLLLoss
 from policyworker.worker import MegatronPolicyWorker
 
 HERE = Path(__file__).parent
-# (tp, pp, distributed optimizer) on two ranks; dp is what remains.
-LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2-distopt": (1, 1, True)}
+# (tp, pp, distributed optimizer) on two ranks; dp is what remains. The distributed optimizer
+# runs with megatron's overlapped grad reduce and param gather: a save right after a step must
+# complete the gather the next forward would have made.
+LAYOUTS = {"tp2": (2, 1, False), "pp2": (1, 2, False), "dp2-distopt-overlapped": (1, 1, True)}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def test_exact_resume_and_reshard_on_load(layout, model_dir, tmp_path):
     and runs the same 3 steps bit for bit, from the sync and from the async checkpoint. Then
     one rank (TP1, PP1, DP1) loads the same checkpoint and continues within 1e-5."""
     tp, pp, distopt = LAYOUTS[layout]
-    flag = ["distopt"] if distopt else []
+    flag = ["distopt", "overlap"] if distopt else []
     ckpt = tmp_path / "ckpt"
     torchrun("save", model_dir, ckpt, tmp_path / "save.pt", tp, pp, *flag)
     torchrun("resume", model_dir, ckpt, tmp_path / "resume.pt", tp, pp, *flag)

@@ -345,7 +345,7 @@ MOE_LAYOUTS = {  # (tp, pp, flags) on two ranks; megatron wants SP with TP; expe
     "pp2-split-step-replay": (1, 2, ("split", "replay")),
     "tp2-sequence-parallel-expert-tp2": (2, 1, ("sp", "etp")),
     "ep2": (1, 1, ("ep",)),
-    "ep2-packed-distributed-optimizer": (1, 1, ("ep", "pack", "distopt")),
+    "ep2-packed-distributed-optimizer-overlapped": (1, 1, ("ep", "pack", "distopt", "overlap")),
     "tp2-sequence-parallel-allgather-dispatcher": (2, 1, ("sp", "allgather")),
     "ep2-cp2-packed-chunked-replay": (1, 1, ("ep", "cp", "pack", "chunk", "replay")),
     "ep2-split-step": (1, 1, ("ep", "split")),

@@ -26,12 +26,14 @@ LAYOUTS = {
     "pp2-packed": (1, 2, ("pack",)),
     "dp2-packed-unequal-shards": (1, 1, ("pack",)),
     "dp2-distributed-optimizer": (1, 1, ("distopt",)),
+    # megatron's overlapped grad reduce and param gather: the same numbers as without
+    "dp2-distributed-optimizer-overlapped": (1, 1, ("distopt", "overlap")),
     "tp2-sequence-parallel": (2, 1, ("sp",)),
     "tp2-sequence-parallel-packed-chunked": (2, 1, ("sp", "pack", "chunk")),
     "cp2": (1, 1, ("cp",)),
     "cp2-packed-chunked": (1, 1, ("cp", "pack", "chunk")),
     # split-step training: each rank streams its share in two chunks
-    "dp2-split-step-packed": (1, 1, ("split", "pack")),
+    "dp2-split-step-packed-overlapped": (1, 1, ("split", "pack", "distopt", "overlap")),
     "pp2-split-step-chunked": (1, 2, ("split", "chunk")),
 }
 
@@ -105,6 +107,11 @@ def test_layout_matches_single_rank(layout, tied_dir, single, two_ranks, tmp_pat
         assert scales.keys() == want.keys()
         for name, value in want.items():  # the amax over every rank's heads, tokens, layers
             assert scales[name] == pytest.approx(value, rel=1e-5), name
+    if pp == 1:  # every weight, read right after a step (overlap: before any forward gathers)
+        after, want = got["export_after_train"], single["export_after_train"]
+        assert after.keys() == want.keys()
+        for name, sums in want.items():
+            assert after[name] == pytest.approx(sums, rel=1e-5, abs=1e-4), name
     if pp == 1:  # the full-vocabulary payload, gathered over TP and CP, unpacked
         assert (got["teacher_full_payload"] - single["teacher_full_payload"]).abs().max() <= 1e-4
     if "cp" in flags:  # context parallelism: no device read in the layer loop
@@ -155,7 +162,7 @@ def _assert_matches(got, single, folder, vocab, exported, *, pp):
     """A layout's results against the single rank's and transformers'."""
     hf = hf_logprobs(folder, fixed_batch(vocab))
     assert (got["logprobs"] - hf).abs().max() <= 1e-4
-    for key in ("logprobs", "reference_logprobs", "topk_logits"):
+    for key in ("logprobs", "reference_logprobs", "topk_logits", "reference_after"):
         assert (got[key] - single[key]).abs().max() <= 1e-5, key
     assert int(got["topk_indices"].max()) < vocab
     assert torch.equal(got["topk_indices"], single["topk_indices"])

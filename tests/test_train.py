@@ -263,3 +263,38 @@ def test_the_tensor_parallel_report_and_the_seeds_check_dim_skip_keys(llama_dir)
     with pytest.raises(ValueError, match="check_dim_skip_keys"):
         worker.train(make_batch(batch=4, seq=12), NLLLoss(), check_dim_skip_keys=["x"])
     assert all(torch.equal(p, before[n]) for n, p in worker.state.model.named_parameters())
+
+
+def test_overlapped_communication_switches_and_equals_overlap_off(llama_dir):
+    """One rank (DP2: tests/test_parallel.py): the seed's forward pre-hook switches, refused
+    without `overlap_param_gather`; steps with the hooks on, off and toggled equal overlap off;
+    megatron's rule that the gather needs the distributed optimizer and the grad overlap."""
+    data = make_batch(batch=4, seq=12)
+    plain = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-3))
+    with pytest.raises(ValueError, match="overlap_param_gather is off"):
+        plain.enable_forward_pre_hook()
+    overlap = OptimizerConfig(
+        lr=1e-3, use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True
+    )
+    worker = make_worker(llama_dir, optimizer=overlap)
+    hooks = worker.state.overlap
+    assert hooks.hooks_enabled
+    want = [plain.train(data, NLLLoss())["loss"] for _ in range(3)]
+    got = [worker.train(data, NLLLoss())["loss"]]
+    worker.disable_forward_pre_hook(param_sync=False)
+    assert not hooks.hooks_enabled and not hooks.params_pending()
+    got.append(worker.train(data, NLLLoss())["loss"])
+    assert not hooks.params_pending()  # a step without hooks gathers at once
+    worker.enable_forward_pre_hook()
+    worker.enable_forward_pre_hook()  # idempotent
+    got.append(worker.train(data, NLLLoss())["loss"])
+    assert got == pytest.approx(want, rel=1e-6)
+    assert torch.equal(
+        worker.get_logprobs(data=data)["logprobs"], plain.get_logprobs(data=data)["logprobs"]
+    )
+    for bad in (
+        dict(overlap_param_gather=True),
+        dict(overlap_param_gather=True, use_distributed_optimizer=True),
+    ):
+        with pytest.raises(ValueError, match="overlap_param_gather"):
+            OptimizerConfig(**bad).validate()

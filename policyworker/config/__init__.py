@@ -60,6 +60,15 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False
     """Shard the optimizer state and fp32 master weights over data-parallel ranks (megatron's
     DistributedOptimizer: gradients reduce-scattered, parameters all-gathered after the step)."""
+    overlap_grad_reduce: bool = False
+    """Reduce each gradient bucket asynchronously as soon as its last micro-batch's backward has
+    made it (megatron DDP's), overlapping the reduce with the rest of the backward in `train()`;
+    a streamed step (`train_microbatch`) reduces once, at `finish_train_step`."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather the updated parameters bucket by bucket in
+    the next forward's pre-hooks instead of at the end of the step. Refit, HF export,
+    checkpoints, memory phases and the reference model complete the gather first themselves.
+    Needs `use_distributed_optimizer` and `overlap_grad_reduce`, as megatron does."""
 
     def validate(self, prefix: str = "optimizer") -> None:
         _check(finite(self.lr) and self.lr > 0, f"{prefix}.lr", "a finite number > 0", self.lr)
@@ -74,6 +83,10 @@ class OptimizerConfig:
         _check(finite(self.eps) and self.eps > 0, f"{prefix}.eps", "a finite number > 0", self.eps)
         wd = self.weight_decay
         _check(finite(wd) and wd >= 0, f"{prefix}.weight_decay", "a finite number >= 0", wd)
+        if self.overlap_param_gather:
+            for needed in ("use_distributed_optimizer", "overlap_grad_reduce"):
+                what = f"true when {prefix}.overlap_param_gather is true (megatron's requirement)"
+                _check(getattr(self, needed), f"{prefix}.{needed}", what, False)
 
 
 @dataclass(kw_only=True, slots=True)

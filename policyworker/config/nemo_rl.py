@@ -57,6 +57,12 @@ MAPPED: dict[str, str] = {
     "megatron_cfg.optimizer.adam_beta2": "optimizer.betas.1",
     "megatron_cfg.optimizer.adam_eps": "optimizer.eps",
     "megatron_cfg.optimizer.use_distributed_optimizer": "optimizer.use_distributed_optimizer",
+    "megatron_cfg.distributed_data_parallel_config.overlap_grad_reduce": (
+        "optimizer.overlap_grad_reduce"
+    ),
+    "megatron_cfg.distributed_data_parallel_config.overlap_param_gather": (
+        "optimizer.overlap_param_gather"
+    ),
     "megatron_cfg.scheduler.lr_decay_style": "scheduler.style",
     "megatron_cfg.scheduler.lr_warmup_iters": "scheduler.warmup_steps",
     "megatron_cfg.scheduler.lr_warmup_init": "scheduler.warmup_init",

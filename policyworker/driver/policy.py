@@ -201,6 +201,8 @@ class Policy:
     finish_train_step = dispatched()
     abort_train_step = dispatched()
     set_learning_rate = dispatched()
+    enable_forward_pre_hook = dispatched()
+    disable_forward_pre_hook = dispatched()
     save_hf_pretrained = dispatched()
 
     prepare_for_lp_inference = dispatched()

@@ -67,8 +67,12 @@ class Residency:
         grads: Callable[[], Iterable[torch.Tensor]],
         optimizer: Callable[[], Iterable[torch.Tensor]],
         device: torch.device,
+        before_params_move: Callable[[], None] | None = None,
     ) -> None:
+        """`before_params_move`: run before the params leave or come back (collective, as
+        every move is: e.g. complete a pending all-gather, so whole parameters move)."""
         self.device = device
+        self._before_params_move = before_params_move
         self._groups = {
             "params": _Group(params),
             "grads": _Group(grads),
@@ -102,6 +106,9 @@ class Residency:
     def place(self, targets: dict[str, Where]) -> None:
         """Move each named group to its target: everything leaving the device first (so the
         peak never holds both), then everything coming back; one synchronization at the end."""
+        moves = targets.get("params", self._groups["params"].where) != self._groups["params"].where
+        if moves and self._before_params_move is not None:
+            self._before_params_move()
         self._refresh()
         for name, target in targets.items():
             if target is not Where.DEVICE:

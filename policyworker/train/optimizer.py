@@ -22,13 +22,15 @@ from megatron.core.transformer.module import MegatronModule
 from policyworker.config import OptimizerConfig, SchedulerConfig
 
 
-def wrap_ddp(model: MegatronModule, *, distributed_optimizer: bool) -> DistributedDataParallel:
+def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataParallel:
     """megatron DDP: params and fp32 grads in contiguous buffers, gradients summed over DP
-    (reduce-scattered to their owners with the distributed optimizer)."""
+    (reduce-scattered to their owners with the distributed optimizer); the overlapped reduce and
+    gather as `cfg` asks (`train.overlap` runs them)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer,
+        overlap_grad_reduce=cfg.overlap_grad_reduce,
+        overlap_param_gather=cfg.overlap_param_gather,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # non-finite grads skip the step instead (see train.step)
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)

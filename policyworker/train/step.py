@@ -23,6 +23,7 @@ so a step opens without clearing them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -37,6 +38,7 @@ from policyworker.losses.common import EPS, Loss, LossInputs, valid_counts
 from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
+from policyworker.train.overlap import Overlap
 from policyworker.train.schedule import (
     Routing,
     loss_inputs,
@@ -78,6 +80,8 @@ class StepSpec:
     balance_scale: float = 1.0
     """What an MoE load-balancing loss's gradient is multiplied by, so that after the step's
     normalization it is divided by the loss tokens (`balance_scale_for`)."""
+    whole: bool = False
+    """The step is one chunk (`train()`): an overlapped grad reduce may start in its backward."""
 
 
 @dataclass(slots=True)
@@ -112,6 +116,7 @@ def add_chunk(
     logits: LogitOptions,
     routing: Routing | None = None,
     teachers: TeacherHeads | None = None,
+    overlap: Overlap | None = None,
 ) -> None:
     """Forward/backward one chunk of this rank's share (already validated and prepared);
     gradients accumulate locally. Every DP rank adds its chunk at the same time."""
@@ -128,7 +133,9 @@ def add_chunk(
 
     microbatches = split_evenly(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
     ddp.train()
-    run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode, routing=routing)
+    deferred = overlap is not None and not step.spec.whole
+    with overlap.deferred_grad_sync() if deferred else contextlib.nullcontext():
+        run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode, routing=routing)
     for name, value in local.items():
         step.local_counts[name] = step.local_counts.get(name, 0) + value.detach().float()
     step.rows += batch.size
@@ -145,6 +152,7 @@ def finish_step(
     groups: Groups,
     max_grad_norm: float,
     device: torch.device,
+    overlap: Overlap | None = None,
 ) -> StepResult:
     """Reduce, normalize, clip, step the optimizer and the scheduler; the metrics of the step."""
     spec = step.spec
@@ -155,6 +163,8 @@ def finish_step(
     lr = float(optimizer.param_groups[0]["lr"])
     if spec.eval_mode:
         return StepResult(metrics, grad_norm=0.0, skipped=False, lr=lr, per_microbatch=per_mb)
+    if overlap is not None:
+        overlap.dispatch_grad_reduces()
     finalize_model_grads([ddp], num_tokens=None)
     divisor = 1.0
     if spec.known_counts is None:
@@ -166,6 +176,8 @@ def finish_step(
     )
     if applied:
         scheduler.step(increment=1)
+        if overlap is not None:
+            overlap.after_step()
     else:
         log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
     zero_grads(ddp, optimizer)  # outside a step the grad buffers are zero

@@ -25,6 +25,7 @@ from policyworker.model.routing import RouteCounts
 from policyworker.ops.logprobs import LogitOptions
 from policyworker.parallel.dims import Groups
 from policyworker.train.optimizer import optimizer_state_bytes
+from policyworker.train.overlap import Overlap
 from policyworker.train.schedule import RouteSpec, Routing
 from policyworker.train.step import (
     OpenStep,
@@ -74,6 +75,7 @@ class Trainer:
         device: torch.device,
         settings: TrainSettings,
         teachers: TeacherHeads,
+        overlap: Overlap,
         routes: RouteCounts | None = None,
         replay: RouteSpec | None = None,
     ) -> None:
@@ -86,6 +88,8 @@ class Trainer:
         """An MoE model's routers (router replay)."""
         self.teachers = teachers
         """Teachers' LM-head shards (full-vocabulary distillation from hidden states)."""
+        self.overlap = overlap
+        """DDP's overlapped gradient reduce and parameter gather."""
         self._step: OpenStep | None = None
 
     @property
@@ -131,7 +135,13 @@ class Trainer:
             if self.replay is not None and self.replay.balance != "none":
                 scale = balance_scale_for(loss_fn, chunk, known, self.groups)
             spec = StepSpec(
-                loss_fn, local, mbs, eval_mode=eval_mode, known_counts=known, balance_scale=scale
+                loss_fn,
+                local,
+                mbs,
+                eval_mode=eval_mode,
+                known_counts=known,
+                balance_scale=scale,
+                whole=True,
             )
             self._step = self._open(spec)
             self._add(chunk)
@@ -182,7 +192,7 @@ class Trainer:
         self.require_step("abort_train_step")
         self._step = None
         if zero:
-            zero_grads(self.ddp, self.optimizer)
+            self._zero()
 
     def set_lr(self, lr: float) -> None:
         """A new peak lr for the schedule, from now on."""
@@ -248,12 +258,18 @@ class Trainer:
                 logits=self.settings.logits,
                 routing=self._routing(),
                 teachers=self.teachers,
+                overlap=self.overlap,
             )
         except BaseException as e:
             self._step = None
-            zero_grads(self.ddp, self.optimizer)
+            self._zero()
             e.add_note("policyworker: the open train step was aborted (gradients dropped)")
             raise
+
+    def _zero(self) -> None:
+        """Zero the gradients of a dropped step (after any reduce still in flight)."""
+        self.overlap.drain_grad_reduces()
+        zero_grads(self.ddp, self.optimizer)
 
     def _on_device(self, data: BatchedDataDict) -> BatchedDataDict:
         """The batch on the device, but a teacher's full payload: it can be far larger than the
@@ -285,12 +301,13 @@ class Trainer:
                 groups=self.groups,
                 max_grad_norm=self.settings.max_grad_norm,
                 device=self.device,
+                overlap=self.overlap,
             )
             if self.routes is not None:
                 result.metrics.update(self.routes.take(result.metrics["global_valid_toks"]))
             return result
         except BaseException:
-            zero_grads(self.ddp, self.optimizer)
+            self._zero()
             raise
 
     def _summarize(self, results: list[StepResult]) -> dict[str, Any]:
