@@ -194,6 +194,44 @@ def test_compiled_loss_ops_match_eager():
         assert err <= (2e-2 if name == "grad" else 1e-4), (name, err)
 
 
+def test_compiled_reverse_kl_and_mxfp8_match_cpu():
+    """The fused full-vocabulary reverse KL (value and gradients, hidden-state teacher, chunked)
+    equals the eager CPU one; MXFP8 quantization on the GPU is bitwise the CPU's."""
+    from policyworker.ops.kl import TeacherRows, reverse_kl
+    from policyworker.ops.logprobs import Head, LogitOptions
+    from policyworker.ops.mxfp8 import quantize_mxfp8
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 256, 64, generator=g).bfloat16()
+    weight = (0.2 * torch.randn(4096, 64, generator=g)).bfloat16()
+    t_hidden = torch.randn(512, 48, generator=g).bfloat16()
+    t_head = (0.2 * torch.randn(4096, 48, generator=g)).bfloat16()
+    upstream = torch.randn(2, 256, generator=g)
+    results = {}
+    for device in ("cpu", "cuda"):
+        h = hidden.to(device).requires_grad_(True)
+        w = weight.to(device).requires_grad_(True)
+        rows = TeacherRows(t_hidden.to(device), (t_head.to(device),))
+        opts = LogitOptions(temperature=0.8, tp_group=None, vocab_size=4000, chunk_tokens=100)
+        kl = reverse_kl(Head(h, w), rows, opts)
+        (kl * upstream.to(device)).sum().backward()
+        results[device] = [t.detach().float().cpu() for t in (kl, h.grad, w.grad)]
+    for name, a, b in zip(("kl", "grad_hidden", "grad_weight"), *results.values(), strict=True):
+        RESULTS.setdefault("reverse_kl_compiled_vs_eager", {})[name] = (a - b).abs().max().item()
+    x = (torch.randn(256, 512, generator=g) * torch.logspace(-8, 8, 512, base=2.0)).bfloat16()
+    on_gpu = [t.cpu() for t in quantize_mxfp8(x.cuda())]
+    on_cpu = quantize_mxfp8(x)
+    same = all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(on_gpu, on_cpu, strict=True)
+    )
+    RESULTS["mxfp8_gpu_equals_cpu"] = same
+    _dump()
+    for name, err in RESULTS["reverse_kl_compiled_vs_eager"].items():
+        assert err <= (2e-2 if name != "kl" else 1e-3), (name, err)
+    assert same
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_context_parallel_flash_blocks_equal_the_masked_reference(rank):
     """One CP=2 rank's attention blocks of a packed layout (three sequences), bf16: the flash
