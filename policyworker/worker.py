@@ -26,6 +26,7 @@ from policyworker.memory.residency import GROUPS, Where
 from policyworker.memory.telemetry import memory_stats
 from policyworker.model.report import tensor_parallel_report
 from policyworker.refit.layout import RefitInfo, RefitReport
+from policyworker.refit.sparse import SparseCall
 from policyworker.train.teacher import teacher_path
 
 if TYPE_CHECKING:
@@ -318,6 +319,27 @@ class MegatronPolicyWorker:
         """Refit `init_reshard`'s destinations in their own TP layout (rank 0: the report)."""
         self.memory.require("nccl_reshard_refit", "params")
         return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
+
+    def init_remote_sparse_delta_baseline(
+        self, *, shard_rank: int, shard_count: int, transport: str
+    ) -> RefitInfo:
+        """Keep this producer's share of the weights as the sparse refit's baseline; refit info."""
+        self.memory.require("init_remote_sparse_delta_baseline", "params")
+        return self.refit.sparse_baseline(shard_rank, shard_count, transport)
+
+    def stream_remote_sparse_weights(self, transport: str, targets: list[str], *, transfer_id: str,
+        api_key_env_var: str | None, timeout_s: float, shard_rank: int, shard_count: int,
+        overwrite_names: list[str]) -> dict[str, int]:  # fmt: skip
+        """Send the elements changed since the baseline to every receiver (docs/refit.md)."""
+        self.memory.require("stream_remote_sparse_weights", "params")
+        call = SparseCall(transport=transport, transfer_id=transfer_id, timeout_s=timeout_s,
+                          api_key_env_var=api_key_env_var, shard_rank=shard_rank,
+                          shard_count=shard_count, overwrite_names=list(overwrite_names))  # fmt: skip
+        return self.refit.sparse_stream(targets, call)
+
+    def finish_remote_sparse_delta_sync(self, *, succeeded: bool) -> None:
+        """After every receiver applied the refit: advance the baseline (`succeeded`) or not."""
+        self.refit.sparse_finish(succeeded)
 
     # --- checkpoints (policyworker.checkpoint) and HF export -------------------------------------
 

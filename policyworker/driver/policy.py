@@ -222,6 +222,9 @@ class Policy:
     broadcast_weights_for_collective = dispatched()
     init_reshard = dispatched()
     nccl_reshard_refit = dispatched()
+    init_remote_sparse_delta_baseline = dispatched()
+    stream_remote_sparse_weights = dispatched(Output.ALL)
+    finish_remote_sparse_delta_sync = dispatched()
 
     save_checkpoint = dispatched()
     finalize_async_save = dispatched()

@@ -88,6 +88,16 @@ class GenerationProcess:
         """Start receiving a collective refit (`update_weights_from_collective`); returns at once."""
         self._begin_refit("refit_collective", (timeout_s or self.timeout_s,))
 
+    def bind_sparse(self, *, api_key: str | None = None, host: str = "127.0.0.1") -> str:
+        """Open the engine's sparse-refit receiver (TCP); its address, for the trainers."""
+        return self._call("bind_sparse", (), {"api_key": api_key, "host": host})
+
+    def begin_refit_sparse(
+        self, transfer_id: str, producers: int, timeout_s: float | None = None
+    ) -> None:
+        """Start receiving sparse transfer `transfer_id` from `producers` trainer ranks."""
+        self._begin_refit("refit_sparse", (transfer_id, producers, timeout_s or self.timeout_s))
+
     def end_refit(self) -> int:
         """The version the engine applied; `RefitError` if the refit failed (weights unchanged)."""
         if self._refit is None:
@@ -219,6 +229,7 @@ def _serve(
     from policyworker.refit.group import join_refit_group
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
+    from policyworker.refit.sparse_receiver import SparseReceiver
 
     # the model's dtype: that of its weights (not of MXFP8 values or scales)
     dtypes = {dtype for _, dtype in info.values() if dtype.is_floating_point and dtype.itemsize > 1}
@@ -239,6 +250,14 @@ def _serve(
         "version": lambda args, kw: staging.version,
     }
     group, group_error = None, None
+    sparse: list[SparseReceiver] = []  # opened by bind_sparse
+
+    def bind_sparse(api_key: str | None, host: str) -> str:
+        if not sparse:
+            sparse.append(SparseReceiver(targets, info, api_key=api_key, host=host))
+        return sparse[0].address
+
+    handlers["bind_sparse"] = lambda args, kw: bind_sparse(**kw)
     while True:
         command, name, payload = conn.recv()
         if name == "close":
@@ -259,6 +278,10 @@ def _serve(
                 address, timeout_s = payload
                 value = receive_ipc(staging, address=address, timeout_s=timeout_s)
                 engine.load_mxfp8(staging.targets)
+            elif name == "refit_sparse":
+                if not sparse:
+                    raise RuntimeError("refit_sparse: bind_sparse() first")
+                value = sparse[0].receive(*payload)
             elif name == "refit_collective":
                 if group is None:
                     raise RuntimeError("refit_collective: init_collective() first")

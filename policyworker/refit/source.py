@@ -22,6 +22,14 @@ from policyworker.refit.ipc import IpcLink, remove_socket_file, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo, RefitReport
 from policyworker.refit.prequantize import check_prequantize, prequantized, prequantized_info
 from policyworker.refit.reshard import Member, ReshardGroup, report
+from policyworker.refit.sparse import (
+    SparseCall,
+    SparseSource,
+    check_shard,
+    finish,
+    stream,
+    take_baseline,
+)
 
 MiB = 1 << 20
 
@@ -56,6 +64,7 @@ class RefitSource:
         self._base: RefitInfo | None = None  # the bf16 refit info
         self._info: RefitInfo | None = None  # what is sent (MXFP8 slots when prequantizing)
         self._mxfp8: frozenset[str] = frozenset()
+        self._sparse: SparseSource | None = None  # remote sparse-delta refit (`refit.sparse`)
         self._group: dist.ProcessGroup | None = None  # the collective refit group (sender only)
         self._owners: list[int] = []
         self._reshard: ReshardGroup | None = None
@@ -93,6 +102,33 @@ class RefitSource:
         self._mxfp8 = check_prequantize(names, self._base_info())
         self._info = self._layout = None
         return self.info()
+
+    def sparse_baseline(self, shard_rank: int, shard_count: int, transport: str) -> RefitInfo:
+        """Take this producer's share of the baseline (collective: the whole export runs)."""
+        shard = check_shard(shard_rank, shard_count, transport)
+        if self._mxfp8:
+            raise ValueError("init_remote_sparse_delta_baseline: refit prequantization is on")
+        self._sparse = take_baseline(self._tensors(), shard)
+        return self.info()
+
+    def sparse_stream(self, targets: list[str], opts: SparseCall) -> dict[str, int]:
+        """One sparse refit to `targets` (collective over TP/PP: every rank exports)."""
+        sparse = self._sparse
+        if sparse is None:
+            raise ValueError(
+                "stream_remote_sparse_weights: init_remote_sparse_delta_baseline() first"
+            )
+        opts.check(sparse.shard, self.info(), targets)
+        return stream(
+            sparse, self._tensors(), targets, transfer_id=opts.transfer_id,
+            timeout_s=opts.timeout_s, api_key=opts.api_key(),
+        )  # fmt: skip
+
+    def sparse_finish(self, succeeded: bool) -> None:
+        """Advance the baseline to the streamed version (every receiver applied it), or not."""
+        if self._sparse is None:
+            raise ValueError("finish_remote_sparse_delta_sync: no baseline (init first)")
+        finish(self._sparse, succeeded=bool(succeeded))
 
     def _base_info(self) -> RefitInfo:
         if self._base is None:

@@ -1,0 +1,220 @@
+"""Remote sparse-delta refit, the trainer's side: a sharded baseline, and per refit only the
+elements whose bits changed, over ZeroMQ/TCP to engines on other machines (docs/refit.md).
+
+Ownership: the refit info's tensors are dealt to the producers in order — tensor i belongs to
+producer `i % shard_count` — so each tensor has exactly one owner, which alone keeps its
+baseline (the HF export's bits when the baseline was taken, CPU) and compares, encodes and
+sends it. Every rank still takes part in the export's TP gathers and PP broadcasts.
+
+One refit (`stream`): the export, tensor by tensor; each owned tensor's delta against its
+baseline, coalesced into payloads of up to `bucket_bytes` (raw), each compressed and sent to
+every receiver, which acknowledges it once it is verified and staged; then a DONE with the
+payload count. The deltas are kept as pending: `finish(succeeded=True)` — called once every
+receiver has applied the version — writes them into the baseline; `finish(False)` drops them,
+so the next refit sends again what this one carried (the baseline is never ahead of a receiver).
+
+Messages (multipart; a DEALER per receiver, the receiver's ROUTER answers each):
+
+    DATA  [b"DATA", meta JSON, payload]  meta: transfer, producer, payload, base_version, crc
+    DONE  [b"DONE", meta JSON]           meta: transfer, producer, payloads, base_version
+    reply [b"ACK", JSON {"ok": bool, "error": str or None}]
+
+With an API key, every meta carries it as `key`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from policyworker.refit.layout import RefitError
+from policyworker.refit.sparse_codec import TensorDelta, apply_delta, delta, encode
+
+TRANSPORTS = ("zmq", "vllm_zmq_sparse")
+BUCKET_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This producer's place among `count` producers."""
+
+    rank: int
+    count: int
+
+    def owns(self, index: int) -> bool:
+        return index % self.count == self.rank
+
+
+@dataclass(slots=True)
+class SparseSource:
+    """One producer's baseline, its version, and the deltas of a refit not yet committed."""
+
+    shard: Shard
+    baseline: dict[str, torch.Tensor]
+    version: int = 0
+    """The version the baseline holds (0: the HF weights the engines loaded)."""
+    pending: list[TensorDelta] | None = None
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def check_shard(shard_rank: object, shard_count: object, transport: object) -> Shard:
+    ok = isinstance(shard_count, int) and shard_count >= 1
+    if not ok:
+        raise ValueError(f"shard_count: expected an int >= 1, got {shard_count!r}")
+    if not (isinstance(shard_rank, int) and 0 <= shard_rank < shard_count):  # type: ignore[operator]
+        raise ValueError(f"shard_rank: expected an int in [0, {shard_count}), got {shard_rank!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"transport: expected one of {TRANSPORTS} (S3 is not built), got {transport!r}"
+        )
+    return Shard(shard_rank, shard_count)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SparseCall:
+    """The seed's arguments of one `stream_remote_sparse_weights` call."""
+
+    transport: str
+    transfer_id: str
+    api_key_env_var: str | None
+    timeout_s: float
+    shard_rank: int
+    shard_count: int
+    overwrite_names: list[str]
+    """Names the reference sends as absolute values rather than XOR; every delta here is absolute,
+    so any list is accepted (checked against the refit info)."""
+
+    def check(self, shard: Shard, info: Mapping[str, Any], targets: list[str]) -> None:
+        """`ValueError` naming the argument; nothing has moved yet."""
+        if check_shard(self.shard_rank, self.shard_count, self.transport) != shard:
+            raise ValueError(
+                f"shard_rank/shard_count: the baseline was taken as {shard.rank}/{shard.count}, "
+                f"got {self.shard_rank}/{self.shard_count}"
+            )
+        if not targets or not all(isinstance(t, str) and t.startswith("tcp://") for t in targets):
+            raise ValueError(
+                f"targets: expected receiver addresses tcp://host:port, got {targets!r}"
+            )
+        if not (isinstance(self.transfer_id, str) and self.transfer_id):
+            raise ValueError(f"transfer_id: expected a non-empty str, got {self.transfer_id!r}")
+        if not (isinstance(self.timeout_s, int | float) and 0 < self.timeout_s < float("inf")):
+            raise ValueError(f"timeout_s: expected a finite number > 0, got {self.timeout_s!r}")
+        unknown = [n for n in self.overwrite_names if n not in info]
+        if unknown:
+            raise ValueError(f"overwrite_names: not in the refit info: {unknown[:3]}")
+        self.api_key()
+
+    def api_key(self) -> str | None:
+        var = self.api_key_env_var
+        if var is None:
+            return None
+        if not os.environ.get(var):
+            raise ValueError(f"api_key_env_var: the environment has no {var!r}")
+        return os.environ[var]
+
+
+def take_baseline(tensors: Iterator[tuple[str, torch.Tensor]], shard: Shard) -> SparseSource:
+    """The owned tensors' bits, on the CPU (every rank iterates the whole export)."""
+    owned = {
+        name: t.detach().to("cpu", copy=True)
+        for i, (name, t) in enumerate(tensors)
+        if shard.owns(i)
+    }
+    return SparseSource(shard, owned)
+
+
+def stream(
+    source: SparseSource,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    targets: list[str],
+    *,
+    transfer_id: str,
+    timeout_s: float,
+    api_key: str | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> dict[str, int]:
+    """Send this producer's deltas to every receiver in `targets`; they become `pending`.
+    Raises `RefitError` if a receiver refuses or does not answer in time (nothing pending)."""
+    source.pending = None
+    links = [_Link(t, timeout_s) for t in targets]
+    base = {"transfer": transfer_id, "producer": source.shard.rank,
+            "base_version": source.version} | ({"key": api_key} if api_key else {})  # fmt: skip
+    stats = dict.fromkeys(("payloads", "wire_bytes", "changed_elements", "total_elements"), 0)
+    pending: list[TensorDelta] = []
+    bucket: list[TensorDelta] = []
+    try:
+
+        def flush() -> None:
+            body, crc = encode(bucket)
+            meta = base | {"payload": stats["payloads"], "crc": crc}
+            for link in links:
+                link.call([b"DATA", json.dumps(meta).encode(), body])
+            stats["payloads"] += 1
+            stats["wire_bytes"] += len(body) * len(links)
+            bucket.clear()
+
+        for i, (name, t) in enumerate(tensors):
+            if not source.shard.owns(i):
+                continue
+            d = delta(name, t.detach(), source.baseline[name])
+            stats["changed_elements"] += d.changed
+            stats["total_elements"] += t.numel()
+            pending.append(d)
+            bucket.append(d)
+            if sum(x.nbytes for x in bucket) >= bucket_bytes:
+                flush()
+        if bucket or not stats["payloads"]:
+            flush()  # at least one payload: a receiver learns the version even if none changed
+        done = base | {"payloads": stats["payloads"]}
+        for link in links:
+            link.call([b"DONE", json.dumps(done).encode()])
+    finally:
+        for link in links:
+            link.close()
+    source.pending, source.stats = pending, stats
+    return stats
+
+
+def finish(source: SparseSource, *, succeeded: bool) -> None:
+    """Commit the pending deltas into the baseline (every receiver applied them), or drop them."""
+    pending, source.pending = source.pending, None
+    if not succeeded or pending is None:
+        return
+    for d in pending:
+        apply_delta(source.baseline[d.name], d)
+    source.version += 1
+
+
+class _Link:
+    """A DEALER to one receiver: each message answered before the next (bounded by timeout)."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+
+    def call(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+        deadline = time.monotonic() + self.timeout_s
+        if not self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            raise RefitError(
+                f"sparse refit: no answer from the receiver at {self.address} in "
+                f"{self.timeout_s} s; the baseline is unchanged"
+            )
+        kind, body = self.sock.recv_multipart()
+        reply = json.loads(body)
+        if kind != b"ACK" or not reply.get("ok"):
+            raise RefitError(
+                f"sparse refit: the receiver at {self.address} refused: {reply.get('error')}"
+            )
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,269 @@
+"""Remote sparse-delta refit (#30, part 1): the codec, the trainer's sharded baseline and its
+commit, a TCP receiver in a generation process that applies whole versions only, and faults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import zmq
+from conftest import make_worker
+from helpers import make_batch
+
+from policyworker.config import OptimizerConfig
+from policyworker.generation.process import GenerationProcess
+from policyworker.losses import NLLLoss
+from policyworker.refit.layout import RefitError
+from policyworker.refit.sparse import Shard, stream, take_baseline
+from policyworker.refit.sparse_codec import PayloadError, apply_delta, decode, delta, encode
+from policyworker.refit.sparse_receiver import SparseReceiver
+
+pytestmark = pytest.mark.processes
+
+
+def test_codec_is_bit_exact_and_catches_corruption():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 96, generator=g).bfloat16()
+    new = base.clone()
+    new[1, 2] = -0.0 if base[1, 2] == 0 else base[1, 2] + 1
+    new[5] = float("nan")
+    new[7, 0] = 0.0
+    base[7, 0] = -0.0  # equal as floats, different bits: sent
+    d = delta("w", new, base)
+    assert d.index.dtype == torch.int32 and d.changed == d.index.numel() == 1 + 96 + 1
+    same = delta("v", base, base)
+    body, crc = encode([d, same])
+    got = decode(body, crc)
+    target = base.clone()
+    apply_delta(target, got[0])
+    apply_delta(target, got[0])  # absolute values: applying twice changes nothing
+    assert torch.equal(target.view(torch.int16), new.view(torch.int16))
+    assert got[1].index.numel() == 0
+    moved = delta("m", base + 1, base)  # every element: sent dense, the values alone
+    assert moved.index is None and moved.changed == base.numel()
+    dense = decode(*encode([moved]))[0]
+    target = base.clone()
+    apply_delta(target, dense)
+    assert torch.equal(target.view(torch.int16), (base + 1).view(torch.int16))
+    flipped = bytearray(body)
+    flipped[len(body) // 2] ^= 1
+    with pytest.raises(PayloadError, match="checksum"):
+        decode(bytes(flipped), crc)
+    bad = json.dumps([["w", [2], "bfloat16", 5, "int32"]]).encode()
+    import zlib
+
+    short = zlib.compress(len(bad).to_bytes(4, "little") + bad + b"\0" * 6)
+    with pytest.raises(PayloadError, match="does not decode"):
+        decode(short, zlib.crc32(short))
+
+
+def _setup(llama_dir, lr):
+    worker = make_worker(llama_dir, precision="bfloat16", optimizer=OptimizerConfig(lr=lr))
+    info = worker.init_remote_sparse_delta_baseline(shard_rank=0, shard_count=1, transport="zmq")
+    return worker, info
+
+
+def _stream(worker, targets, transfer_id, **kw):
+    args = dict(transfer_id=transfer_id, api_key_env_var=None, timeout_s=10.0, shard_rank=0,
+                shard_count=1, overwrite_names=[]) | kw  # fmt: skip
+    return worker.stream_remote_sparse_weights("zmq", targets, **args)
+
+
+@pytest.mark.parametrize("lr", [1e-6, 1e-3])
+def test_refits_to_two_receivers_are_exact_and_sparse(llama_dir, lr):
+    """Three steps and refits into two engines: bitwise equal to the trainer's export each
+    time; the wire carries a fraction of a full refit's bytes at lr 1e-6."""
+    worker, info = _setup(llama_dir, lr)
+    full_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in info.values())
+    data = make_batch(batch=4, seq=12)
+    with GenerationProcess(str(llama_dir), info) as a, GenerationProcess(str(llama_dir), info) as b:
+        targets = [a.bind_sparse(), b.bind_sparse()]
+        for version in (1, 2, 3):
+            worker.train(data, NLLLoss())
+            a.begin_refit_sparse(f"t{version}", 1)
+            b.begin_refit_sparse(f"t{version}", 1)
+            stats = _stream(worker, targets, f"t{version}")
+            assert a.end_refit() == b.end_refit() == version
+            worker.finish_remote_sparse_delta_sync(succeeded=True)
+            sent = dict(worker.export_hf_weights())
+            for gen in (a, b):
+                got = gen.weights()
+                assert all(torch.equal(got[n], sent[n]) for n in sent)
+            assert stats["total_elements"] == sum(t.numel() for t in sent.values())
+            assert 0 < stats["changed_elements"] <= stats["total_elements"]
+            if lr == 1e-6:  # most bf16 weights do not move by a bf16 step
+                assert stats["changed_elements"] < 0.5 * stats["total_elements"]
+                assert stats["wire_bytes"] < 2 * full_bytes  # two receivers' worth, < 1 full each
+
+
+def test_a_refused_refit_changes_nothing_and_the_next_resends_it(llama_dir, monkeypatch):
+    """A payload corrupted in transit: the receiver refuses it, the trainer raises, nothing is
+    applied and the baseline stays; the next refit carries both steps' changes, exactly."""
+    import policyworker.refit.sparse as sparse
+
+    worker, info = _setup(llama_dir, 1e-3)
+    data = make_batch(batch=4, seq=12)
+    with GenerationProcess(str(llama_dir), info) as gen:
+        target = gen.bind_sparse()
+        before = gen.weights()
+        worker.train(data, NLLLoss())
+        real = sparse.encode
+        monkeypatch.setattr(sparse, "encode", lambda ds: (real(ds)[0], real(ds)[1] ^ 1))
+        gen.begin_refit_sparse("bad", 1)
+        with pytest.raises(RefitError, match="checksum"):
+            _stream(worker, [target], "bad")
+        with pytest.raises(RefitError, match="checksum"):
+            gen.end_refit()
+        worker.finish_remote_sparse_delta_sync(succeeded=False)
+        monkeypatch.setattr(sparse, "encode", real)
+        after = gen.weights()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        worker.train(data, NLLLoss())
+        gen.begin_refit_sparse("good", 1)
+        _stream(worker, [target], "good")
+        assert gen.end_refit() == 1
+        worker.finish_remote_sparse_delta_sync(succeeded=True)
+        got, sent = gen.weights(), dict(worker.export_hf_weights())
+        assert all(torch.equal(got[n], sent[n]) for n in sent)
+
+
+def test_a_restarted_receiver_refuses_a_delta_it_cannot_apply(llama_dir):
+    """An engine restarted from the HF weights while the trainer is at version 1: the delta
+    against version 1 is refused by name, never applied to the wrong bits."""
+    worker, info = _setup(llama_dir, 1e-3)
+    data = make_batch(batch=4, seq=12)
+    with GenerationProcess(str(llama_dir), info) as gen:
+        worker.train(data, NLLLoss())
+        target = gen.bind_sparse()
+        gen.begin_refit_sparse("t1", 1)
+        _stream(worker, [target], "t1")
+        assert gen.end_refit() == 1
+        worker.finish_remote_sparse_delta_sync(succeeded=True)
+    with GenerationProcess(str(llama_dir), info) as fresh:  # at version 0 again
+        before = fresh.weights()
+        worker.train(data, NLLLoss())
+        target = fresh.bind_sparse()
+        fresh.begin_refit_sparse("t2", 1)
+        with pytest.raises(RefitError, match="holds version 0"):
+            _stream(worker, [target], "t2")
+        with pytest.raises(RefitError, match="full refit first"):
+            fresh.end_refit()
+        after = fresh.weights()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def _dealer(address):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def test_duplicates_are_applied_once_and_a_missing_payload_applies_nothing():
+    """In-process receiver: a payload sent twice is acknowledged twice and staged once; a
+    transfer whose DONE counts a payload that never came (dropped, or a producer that died)
+    ends at the deadline with nothing applied; a stale transfer's message is refused."""
+    live = {"w": torch.zeros(4, 32, dtype=torch.bfloat16)}
+    info = {"w": ((4, 32), torch.bfloat16)}
+    receiver = SparseReceiver(live, info)
+    new = torch.ones(4, 32, dtype=torch.bfloat16)
+    body, crc = encode([delta("w", new, live["w"])])
+    meta = {"transfer": "t", "producer": 0, "payload": 0, "base_version": 0, "crc": crc}
+    sock = _dealer(receiver.address)
+    try:
+        for _ in range(2):
+            sock.send_multipart([b"DATA", json.dumps(meta).encode(), body])
+        sock.send_multipart([b"DONE", json.dumps(meta | {"payloads": 1}).encode()])
+        assert receiver.receive("t", 1, timeout_s=5) == 1
+        assert [json.loads(sock.recv_multipart()[1])["ok"] for _ in range(3)] == [True] * 3
+        assert torch.equal(live["w"], new)
+        # version 1 -> a transfer that loses its second payload
+        meta2 = meta | {"transfer": "u", "base_version": 1}
+        sock.send_multipart([b"DATA", json.dumps(meta2).encode(), body])
+        sock.send_multipart([b"DONE", json.dumps(meta2 | {"payloads": 2}).encode()])
+        with pytest.raises(RefitError, match="incomplete"):
+            receiver.receive("u", 1, timeout_s=0.5)
+        assert receiver.version == 1 and torch.equal(live["w"], new)
+        for _ in range(2):
+            sock.recv_multipart()  # its acks
+        sock.send_multipart([b"DATA", json.dumps(meta2).encode(), body])  # now a stale one
+        with pytest.raises(RefitError, match="stale"):
+            receiver.receive("v", 1, timeout_s=5)
+    finally:
+        sock.close(linger=0)
+        receiver.close()
+
+
+def test_two_producers_each_send_their_share(llama_dir):
+    """Ownership: tensor i belongs to producer i % 2; two producers' transfers complete one
+    version together, and each tensor crossed once."""
+    worker = make_worker(llama_dir, precision="bfloat16", optimizer=OptimizerConfig(lr=1e-3))
+    info = worker.prepare_refit_info()
+    export = lambda: iter(list(worker.export_hf_weights()))  # noqa: E731
+    sources = [take_baseline(export(), Shard(r, 2)) for r in range(2)]
+    assert set(sources[0].baseline).isdisjoint(sources[1].baseline)
+    assert set(sources[0].baseline) | set(sources[1].baseline) == set(info)
+    worker.train(make_batch(batch=4, seq=12), NLLLoss())
+    live = {n: t.clone() for n, t in sources[0].baseline.items() | sources[1].baseline.items()}
+    receiver = SparseReceiver(live, info)
+    try:
+        import threading
+
+        stats = []
+        threads = [
+            threading.Thread(
+                target=lambda s=s: stats.append(
+                    stream(s, export(), [receiver.address], transfer_id="t", timeout_s=10)
+                )
+            )
+            for s in sources
+        ]
+        for t in threads:
+            t.start()
+        assert receiver.receive("t", 2, timeout_s=10) == 1
+        for t in threads:
+            t.join()
+    finally:
+        receiver.close()
+    sent = dict(worker.export_hf_weights())
+    assert all(torch.equal(live[n], sent[n]) for n in sent)
+    assert sum(s["total_elements"] for s in stats) == sum(t.numel() for t in sent.values())
+
+
+def test_bad_calls_are_refused(llama_dir, monkeypatch):
+    worker = make_worker(llama_dir)
+    with pytest.raises(ValueError, match="init_remote_sparse_delta_baseline"):
+        _stream(worker, ["tcp://127.0.0.1:1"], "t")
+    for kw, match in [
+        (dict(shard_rank=2, shard_count=2, transport="zmq"), "shard_rank"),
+        (dict(shard_rank=0, shard_count=0, transport="zmq"), "shard_count"),
+        (dict(shard_rank=0, shard_count=1, transport="vllm_s3_sparse"), "transport"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            worker.init_remote_sparse_delta_baseline(**kw)
+    worker.init_remote_sparse_delta_baseline(shard_rank=0, shard_count=1, transport="zmq")
+    monkeypatch.delenv("NO_SUCH_KEY", raising=False)
+    for targets, kw, match in [
+        ([], {}, "targets"),
+        (["http://x"], {}, "targets"),
+        (["tcp://127.0.0.1:1"], dict(transfer_id=""), "transfer_id"),
+        (["tcp://127.0.0.1:1"], dict(timeout_s=0), "timeout_s"),
+        (["tcp://127.0.0.1:1"], dict(shard_count=2), "baseline was taken"),
+        (["tcp://127.0.0.1:1"], dict(overwrite_names=["nope"]), "overwrite_names"),
+        (["tcp://127.0.0.1:1"], dict(api_key_env_var="NO_SUCH_KEY"), "api_key_env_var"),
+    ]:
+        args = {"transfer_id": "t"} | kw
+        with pytest.raises(ValueError, match=match):
+            _stream(worker, targets, **args)
+
+
+def test_a_dead_receiver_fails_the_trainer_in_time(llama_dir):
+    worker, info = _setup(llama_dir, 1e-3)
+    gen = GenerationProcess(str(llama_dir), info)
+    target = gen.bind_sparse()
+    gen.kill()
+    worker.train(make_batch(batch=4, seq=12), NLLLoss())
+    with pytest.raises(RefitError, match="no answer"):
+        _stream(worker, [target], "t", timeout_s=1.0)
+    worker.finish_remote_sparse_delta_sync(succeeded=False)
