@@ -4,10 +4,12 @@ A bf16 Llama (fp32 master weights) takes optimizer steps at the reference's typi
 rates (NLL on random tokens; Adam makes each element's update about lr whatever the gradient);
 after each step one sparse refit goes over loopback TCP into generation processes.
 
-* baseline: a full refit, the model's bytes to every engine; the trainer's export alone;
-* ours:     `stream_remote_sparse_weights` (wire bytes, changed fraction; the trainer's export +
-            compare + encode; end to end into 2 engines, each applying whole versions);
-            every engine's weights checked bitwise against the trainer's export.
+* baseline: a full refit, the model's bytes (to one engine: the ratio is conservative); the
+            trainer's export alone;
+* ours:     `stream_remote_sparse_weights` (the bytes leaving the trainer, once however many
+            engines: they relay; changed fraction; the trainer's export + compare + encode; end
+            to end into 2 engines, each applying whole versions); every engine's weights checked
+            bitwise against the trainer's export.
 
 Prints one JSON line per (model, lr).
 
@@ -87,7 +89,7 @@ def bench(size: str, lr: float, steps: int) -> dict[str, object]:
             sums = {n: tensor_sums(t) for n, t in baseline.items()}
             exact = exact and all(e.weight_sums() == sums for e in engines)
             rows["changed"].append(stats["changed_elements"] / stats["total_elements"])
-            rows["wire"].append(stats["wire_bytes"] // len(engines))
+            rows["wire"].append(stats["wire_bytes"])  # leaves the trainer once (relay)
             rows["export_s"].append(export_s)
             rows["encode_s"].append(encode_s)
             rows["e2e_s"].append(e2e)
@@ -104,8 +106,8 @@ def bench(size: str, lr: float, steps: int) -> dict[str, object]:
         "lr": lr,
         "steps": steps,
         "changed_fraction": rows["changed"],
-        "full_bytes_per_engine": full,
-        "wire_bytes_per_engine": rows["wire"],
+        "full_bytes": full,
+        "trainer_wire_bytes": rows["wire"],
         "baseline_vs_ours_bytes": full / wire,
         "export_s": statistics.median(rows["export_s"]),
         "export_compare_encode_s": statistics.median(rows["encode_s"]),

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo_steps=10")
     check = sub.add_parser("refit-check", help="refit a receiver process and compare both sides")
     check.add_argument("--model", required=True, help="HF checkpoint folder")
-    check.add_argument("--transport", default="ipc", choices=["ipc", "collective", "reshard"])
+    check.add_argument(
+        "--transport", default="ipc", choices=["ipc", "collective", "reshard", "sparse"]
+    )
     check.add_argument("--trainer-tp", type=int, default=1, help="trainer ranks (TP)")
     check.add_argument("--receiver-tp", type=int, default=1, help="destination ranks (reshard)")
     for side in ("trainer", "receiver"):

@@ -222,8 +222,8 @@ class Policy:
     broadcast_weights_for_collective = dispatched()
     init_reshard = dispatched()
     nccl_reshard_refit = dispatched()
-    init_remote_sparse_delta_baseline = dispatched()
-    stream_remote_sparse_weights = dispatched(Output.ALL)
+    init_remote_sparse_delta_baseline = dispatched(per_rank=("shard_rank",))
+    stream_remote_sparse_weights = dispatched(Output.ALL, per_rank=("shard_rank",))
     finish_remote_sparse_delta_sync = dispatched()
 
     save_checkpoint = dispatched()

@@ -7,16 +7,18 @@ baseline (the HF export's bits when the baseline was taken, CPU) and compares, e
 sends it. Every rank still takes part in the export's TP gathers and PP broadcasts.
 
 One refit (`stream`): the export, tensor by tensor; each owned tensor's delta against its
-baseline, coalesced into payloads of up to `bucket_bytes` (raw), each compressed and sent to
-every receiver, which acknowledges it once it is verified and staged; then a DONE with the
+baseline, coalesced into payloads of up to `bucket_bytes` (raw), each compressed and sent once, to
+the first receiver, which acknowledges it once it — and, down the relay tree, every other
+receiver — has verified and staged it; then a DONE with the
 payload count. The deltas are kept as pending: `finish(succeeded=True)` — called once every
 receiver has applied the version — writes them into the baseline; `finish(False)` drops them,
 so the next refit sends again what this one carried (the baseline is never ahead of a receiver).
 
-Messages (multipart; a DEALER per receiver, the receiver's ROUTER answers each):
+Messages (multipart; a DEALER to the first receiver, whose ROUTER answers each; the receivers
+relay them down a binary tree of `targets`, `refit.sparse_receiver`):
 
-    DATA  [b"DATA", meta JSON, payload]  meta: transfer, producer, payload, base_version, crc
-    DONE  [b"DONE", meta JSON]           meta: transfer, producer, payloads, base_version
+    DATA  [b"DATA", meta JSON, payload]  meta: transfer, producer, payload, base_version, crc, tree
+    DONE  [b"DONE", meta JSON]           meta: transfer, producer, payloads, base_version, tree
     reply [b"ACK", JSON {"ok": bool, "error": str or None}]
 
 With an API key, every meta carries it as `key`.
@@ -26,16 +28,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import zmq
 
-from policyworker.refit.layout import RefitError
 from policyworker.refit.sparse_codec import TensorDelta, apply_delta, delta, encode
+from policyworker.refit.sparse_link import Link
 
 TRANSPORTS = ("zmq", "vllm_zmq_sparse")
 BUCKET_BYTES = 64 << 20
@@ -143,8 +143,8 @@ def stream(
     """Send this producer's deltas to every receiver in `targets`; they become `pending`.
     Raises `RefitError` if a receiver refuses or does not answer in time (nothing pending)."""
     source.pending = None
-    links = [_Link(t, timeout_s) for t in targets]
-    base = {"transfer": transfer_id, "producer": source.shard.rank,
+    links = [Link(targets[0])]  # the relay tree's root: the others get it from there
+    base = {"transfer": transfer_id, "producer": source.shard.rank, "tree": targets,
             "base_version": source.version} | ({"key": api_key} if api_key else {})  # fmt: skip
     stats = dict.fromkeys(("payloads", "wire_bytes", "changed_elements", "total_elements"), 0)
     pending: list[TensorDelta] = []
@@ -155,7 +155,7 @@ def stream(
             body, crc = encode(bucket)
             meta = base | {"payload": stats["payloads"], "crc": crc}
             for link in links:
-                link.call([b"DATA", json.dumps(meta).encode(), body])
+                link.call([b"DATA", json.dumps(meta).encode(), body], timeout_s)
             stats["payloads"] += 1
             stats["wire_bytes"] += len(body) * len(links)
             bucket.clear()
@@ -174,7 +174,7 @@ def stream(
             flush()  # at least one payload: a receiver learns the version even if none changed
         done = base | {"payloads": stats["payloads"]}
         for link in links:
-            link.call([b"DONE", json.dumps(done).encode()])
+            link.call([b"DONE", json.dumps(done).encode()], timeout_s)
     finally:
         for link in links:
             link.close()
@@ -190,31 +190,3 @@ def finish(source: SparseSource, *, succeeded: bool) -> None:
     for d in pending:
         apply_delta(source.baseline[d.name], d)
     source.version += 1
-
-
-class _Link:
-    """A DEALER to one receiver: each message answered before the next (bounded by timeout)."""
-
-    def __init__(self, address: str, timeout_s: float) -> None:
-        self.address, self.timeout_s = address, timeout_s
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-
-    def call(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-        deadline = time.monotonic() + self.timeout_s
-        if not self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
-            raise RefitError(
-                f"sparse refit: no answer from the receiver at {self.address} in "
-                f"{self.timeout_s} s; the baseline is unchanged"
-            )
-        kind, body = self.sock.recv_multipart()
-        reply = json.loads(body)
-        if kind != b"ACK" or not reply.get("ok"):
-            raise RefitError(
-                f"sparse refit: the receiver at {self.address} refused: {reply.get('error')}"
-            )
-
-    def close(self) -> None:
-        self.sock.close(linger=0)

@@ -1,6 +1,11 @@
 """Remote sparse-delta refit, the engine's side: a ROUTER socket on TCP that verifies, stages and
 then applies all of a transfer's payloads, or none of them (the protocol is in `refit.sparse`).
 
+Relay: the trainer sends each message to the first receiver of the transfer's `tree` (the
+receivers' addresses) only; receiver i passes what it accepted on to receivers 2i+1 and 2i+2
+and acknowledges once they have, so a payload leaves the trainer once however many engines
+there are, and an acknowledgement means the whole subtree staged it.
+
 Each DATA is checked before it is acknowledged: the transfer id, the API key, the base version
 (the receiver's own: a receiver that restarted from the HF weights while the trainer is at
 version k refuses a delta against k, it never applies it to the wrong bits), the CRC-32, the
@@ -24,6 +29,7 @@ import zmq
 
 from policyworker.refit.layout import RefitError, RefitInfo
 from policyworker.refit.sparse_codec import PayloadError, TensorDelta, apply_delta, decode
+from policyworker.refit.sparse_link import Link
 
 
 class SparseReceiver:
@@ -44,8 +50,11 @@ class SparseReceiver:
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._children: dict[str, Any] = {}  # address -> DEALER link (relay), kept
 
     def close(self) -> None:
+        for link in self._children.values():
+            link.close()
         self.sock.close(linger=0)
 
     def receive(self, transfer_id: str, producers: int, timeout_s: float) -> int:
@@ -62,6 +71,7 @@ class SparseReceiver:
             peer, kind, *rest = self.sock.recv_multipart()
             try:
                 self._handle(t, kind, rest)
+                self._relay(t, [kind, *rest], deadline)
             except (RefitError, PayloadError) as e:
                 self._reply(peer, str(e))
                 raise RefitError(
@@ -102,6 +112,21 @@ class SparseReceiver:
             self._check(d)
         t.seen.add(key)
         t.staged += deltas
+
+    def _relay(self, t: _Transfer, frames: list[bytes], deadline: float) -> None:
+        """Pass an accepted message on to this receiver's children in the transfer's tree."""
+        tree = json.loads(frames[1]).get("tree") or [self.address]
+        if self.address not in tree:
+            raise RefitError(f"this receiver ({self.address}) is not in the relay tree")
+        i = tree.index(self.address)
+        for child in tree[2 * i + 1 : 2 * i + 3]:
+            if child not in self._children:
+                self._children[child] = Link(child)
+            try:
+                self._children[child].call(frames, max(0.001, deadline - time.monotonic()))
+            except RefitError:
+                self._children.pop(child).close()  # a late answer must not meet the next call
+                raise
 
     def _check(self, d: TensorDelta) -> None:
         if d.name not in self.info:

@@ -2,7 +2,9 @@
 weights? Starts a trainer (a `Policy` of `--trainer-tp` ranks) and a receiver — a
 `GenerationProcess` (ipc, collective) or destination workers of `--receiver-tp` ranks (reshard) —
 refits, scores a fixed batch on both sides, prints one JSON line and exits non-zero on any
-mismatch.
+mismatch. `--transport sparse`: a training step before each refit (a sparse refit sends what
+changed), into an engine that loaded the same HF weights; the line adds `changed_fraction` and
+`wire_bytes`.
 
 The receiver's weights must equal the trainer's export bit for bit (a generation process compares
 per-tensor sums computed where it holds them; destination workers export theirs), and the two
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from policyworker.refit.layout import RefitReport
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1}  # transformers vs megatron-core logprobs
-TRANSPORTS = ("ipc", "collective", "reshard")
+TRANSPORTS = ("ipc", "collective", "reshard", "sparse")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +94,18 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
 
     sizes = (opts.trainer_tp, opts.trainer_ep, opts.trainer_etp)
     cfg = _config(opts, *sizes)
+    trains = opts.transport == "sparse"  # a sparse refit sends what training changed
+    extra: dict[str, object] = {}
     with (
-        Policy(cfg, _ranks(*sizes), init_optimizer=False, init_reference_model=False) as trainer,
+        Policy(cfg, _ranks(*sizes), init_optimizer=trains, init_reference_model=False) as trainer,
         tempfile.TemporaryDirectory() as tmp,
     ):
         ids, lengths = _fixed_batch(trainer.shape.vocab_size)
-        side = _reshard if opts.transport == "reshard" else _engine
-        report, version, equal, theirs = side(trainer, opts, ids, lengths, Path(tmp))
+        side = {"reshard": _reshard, "sparse": _sparse}.get(opts.transport, _engine)
+        report, version, equal, theirs = side(trainer, opts, ids, lengths, Path(tmp), extra)
         ours = trainer.get_logprobs(data=BatchedDataDict(input_ids=ids, input_lengths=lengths))
     diff = float((ours["logprobs"] - theirs).abs().max())
-    return {
+    return extra | {
         "transport": opts.transport,
         "trainer_tp": opts.trainer_tp,
         "receiver_tp": opts.receiver_tp,
@@ -129,7 +133,12 @@ def _exported(policy: Policy, folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _engine(
-    trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
+    trainer: Policy,
+    opts: CheckOptions,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    tmp: Path,
+    extra: dict[str, object],
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into a generation process over IPC or the collective."""
     from policyworker.driver.policy import rank_flags
@@ -153,16 +162,69 @@ def _engine(
                 send = rank_flags(trainer.world_size, [0])
                 report = trainer.stream_weights_via_ipc_zmq(buffer_size_bytes=size, send=send)[0]
             version = gen.end_refit()
-        sums = gen.weight_sums()
-        want = _exported(trainer, tmp / "trainer")
-        equal = sums.keys() == want.keys() and all(
-            sums[n] == process.tensor_sums(t) for n, t in want.items()
-        )
-        return report, version, equal, gen.logprobs(ids, lengths)
+        return report, version, _same_weights(gen, trainer, tmp), gen.logprobs(ids, lengths)
+
+
+def _same_weights(gen: Any, trainer: Policy, tmp: Path) -> bool:
+    """The engine's weights equal the trainer's export bit for bit (per-tensor sums)."""
+    from policyworker.generation.process import tensor_sums
+
+    sums, want = gen.weight_sums(), _exported(trainer, tmp / "trainer")
+    return sums.keys() == want.keys() and all(sums[n] == tensor_sums(t) for n, t in want.items())
+
+
+def _sparse(
+    trainer: Policy,
+    opts: CheckOptions,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    tmp: Path,
+    extra: dict[str, object],
+) -> tuple[RefitReport, int, bool, torch.Tensor]:
+    """A training step, then a sparse refit over TCP into a generation process that loaded the
+    same HF weights (every trainer rank a producer), `opts.refits` times."""
+    import time
+
+    from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.generation.process import GenerationProcess
+    from policyworker.losses import NLLLoss
+    from policyworker.refit.layout import RefitReport
+
+    world = trainer.world_size
+    shards = dict(shard_rank=list(range(world)), shard_count=world)
+    info = trainer.init_remote_sparse_delta_baseline(**shards, transport="zmq")
+    batch = BatchedDataDict(
+        input_ids=ids, input_lengths=lengths, token_mask=torch.ones(ids.shape),
+        sample_mask=torch.ones(ids.shape[0]),
+    )  # fmt: skip
+    with GenerationProcess(opts.model, info, device=str(trainer.device)) as gen:
+        target = gen.bind_sparse()
+        for k in range(opts.refits):
+            trainer.train(batch, NLLLoss(), gbs=ids.shape[0], mbs=1)
+            gen.begin_refit_sparse(f"check-{k}", world, opts.timeout_s)
+            start = time.perf_counter()
+            stats = trainer.stream_remote_sparse_weights(
+                "zmq", [target], transfer_id=f"check-{k}", api_key_env_var=None,
+                timeout_s=opts.timeout_s, overwrite_names=[], **shards,
+            )  # fmt: skip
+            version = gen.end_refit()
+            seconds = time.perf_counter() - start
+            trainer.finish_remote_sparse_delta_sync(succeeded=True)
+        total = {key: sum(s[key] for s in stats) for key in stats[0]}
+        report = RefitReport(version=version, bytes=total["wire_bytes"], seconds=seconds,
+                             names=len(info), buckets=total["payloads"], checksum=True)  # fmt: skip
+        extra |= {"wire_bytes": total["wire_bytes"],
+                  "changed_fraction": total["changed_elements"] / total["total_elements"]}  # fmt: skip
+        return report, version, _same_weights(gen, trainer, tmp), gen.logprobs(ids, lengths)
 
 
 def _reshard(
-    trainer: Policy, opts: CheckOptions, ids: torch.Tensor, lengths: torch.Tensor, tmp: Path
+    trainer: Policy,
+    opts: CheckOptions,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    tmp: Path,
+    extra: dict[str, object],
 ) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into destination workers of another TP / EP / expert-TP layout."""
     from policyworker.data.batched_data_dict import BatchedDataDict
