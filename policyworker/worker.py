@@ -18,7 +18,7 @@ import torch
 
 from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.checkpoint.paths import check_save_paths, initial_weights
-from policyworker.config import PolicyConfig
+from policyworker.config import PolicyConfig, teacher_path
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses.common import Loss
 from policyworker.memory.phases import TRAIN_BUFFERS_KEPT, MemoryPhase, enter_phase
@@ -27,7 +27,6 @@ from policyworker.memory.telemetry import memory_stats
 from policyworker.model.report import tensor_parallel_report
 from policyworker.refit.layout import RefitInfo, RefitReport
 from policyworker.refit.sparse import SparseCall
-from policyworker.train.teacher import teacher_path
 
 if TYPE_CHECKING:
     from policyworker.train.trainer import Trainer
@@ -329,12 +328,14 @@ class MegatronPolicyWorker:
 
     def stream_remote_sparse_weights(self, transport: str, targets: list[str], *, transfer_id: str,
         api_key_env_var: str | None, timeout_s: float, shard_rank: int, shard_count: int,
-        overwrite_names: list[str]) -> dict[str, int]:  # fmt: skip
-        """Send the elements changed since the baseline to every receiver (docs/refit.md)."""
+        overwrite_names: list[str], full_resync: bool = False) -> dict[str, int]:  # fmt: skip
+        """Send the elements changed since the baseline to every receiver (docs/refit.md);
+        `full_resync`: every tensor whole, to receivers at any version."""
         self.memory.require("stream_remote_sparse_weights", "params")
         call = SparseCall(transport=transport, transfer_id=transfer_id, timeout_s=timeout_s,
                           api_key_env_var=api_key_env_var, shard_rank=shard_rank,
-                          shard_count=shard_count, overwrite_names=list(overwrite_names))  # fmt: skip
+                          shard_count=shard_count, overwrite_names=list(overwrite_names),
+                          full_resync=bool(full_resync))  # fmt: skip
         return self.refit.sparse_stream(targets, call)
 
     def finish_remote_sparse_delta_sync(self, *, succeeded: bool) -> None:

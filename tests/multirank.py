@@ -136,8 +136,8 @@ def full_distillation_steps(
     (through the model's own LM head, loaded as the teacher's) and one from its random teacher
     logits; none for a batch without them or of another hidden size."""
     hidden = data.get("opd_hidden")
-    if hidden is None or hidden.shape[-1] != worker.shape.hidden_size:
-        return []
+    if hidden is None or hidden.shape[-1] != worker.shape.hidden_size or worker.shape.moe:
+        return []  # the loss reads the output head alone: the dense layouts cover it
     worker.load_opd_full_teacher_lm_head(worker.cfg.model_name, 0)
     steps = []
     for kind, key in (("hidden_states", "opd_hidden"), ("logits", "opd_logits")):

@@ -131,9 +131,10 @@ def test_a_refused_refit_changes_nothing_and_the_next_resends_it(llama_dir, monk
         assert all(torch.equal(got[n], sent[n]) for n in sent)
 
 
-def test_a_restarted_receiver_refuses_a_delta_it_cannot_apply(llama_dir):
+def test_a_restarted_receiver_refuses_a_delta_then_takes_a_full_resync(llama_dir):
     """An engine restarted from the HF weights while the trainer is at version 1: the delta
-    against version 1 is refused by name, never applied to the wrong bits."""
+    against version 1 is refused by name, never applied to the wrong bits; a full resync then
+    brings it to version 2, bitwise."""
     worker, info = _setup(llama_dir, 1e-3)
     data = make_batch(batch=4, seq=12)
     with GenerationProcess(str(llama_dir), info) as gen:
@@ -150,10 +151,18 @@ def test_a_restarted_receiver_refuses_a_delta_it_cannot_apply(llama_dir):
         fresh.begin_refit_sparse("t2", 1)
         with pytest.raises(RefitError, match="holds version 0"):
             _stream(worker, [target], "t2")
-        with pytest.raises(RefitError, match="full refit first"):
+        with pytest.raises(RefitError, match="full resync first"):
             fresh.end_refit()
+        worker.finish_remote_sparse_delta_sync(succeeded=False)
         after = fresh.weights()
         assert all(torch.equal(before[n], after[n]) for n in before)
+        fresh.begin_refit_sparse("t3", 1)
+        stats = _stream(worker, [target], "t3", full_resync=True)
+        assert fresh.end_refit() == 2
+        worker.finish_remote_sparse_delta_sync(succeeded=True)
+        got, sent = fresh.weights(), dict(worker.export_hf_weights())
+        assert all(torch.equal(got[n], sent[n]) for n in sent)
+        assert stats["wire_bytes"] > 0
 
 
 def _dealer(address):

@@ -9,9 +9,10 @@ Invalid values raise `ValueError` naming the field (dotted path) and what was ex
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from policyworker.config.convert import (
     apply_overrides,
@@ -39,6 +40,7 @@ __all__ = [
     "from_dict",
     "load_config",
     "read_data",
+    "teacher_path",
     "to_dict",
 ]
 
@@ -465,3 +467,18 @@ def load_config[T](
     if cls is PolicyConfig and nemo_rl.is_nemo_rl(data):
         data = nemo_rl.policy_dict(data, ignore_unsupported=ignore_unsupported)
     return from_dict(cls, data)
+
+
+def teacher_path(config: Any) -> str:
+    """The HF folder of a teacher's policy config: a `PolicyConfig`, NeMo-RL's dict (its
+    `model_name`), or the path itself."""
+    if isinstance(config, PolicyConfig):
+        return config.model_name
+    if isinstance(config, Mapping) and isinstance(config.get("model_name"), str):
+        return config["model_name"]
+    if isinstance(config, str | Path):
+        return str(config)
+    raise ValueError(
+        "teacher_path_config: expected a PolicyConfig, a dict with model_name, or a path; got "
+        f"{type(config).__name__}"
+    )

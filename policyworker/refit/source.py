@@ -121,7 +121,7 @@ class RefitSource:
         opts.check(sparse.shard, self.info(), targets)
         return stream(
             sparse, self._tensors(), targets, transfer_id=opts.transfer_id,
-            timeout_s=opts.timeout_s, api_key=opts.api_key(),
+            timeout_s=opts.timeout_s, api_key=opts.api_key(), full=opts.full_resync,
         )  # fmt: skip
 
     def sparse_finish(self, succeeded: bool) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from policyworker.refit.sparse_codec import TensorDelta, apply_delta, delta, encode
+from policyworker.refit.sparse_codec import TensorDelta, apply_delta, delta, encode, whole
 from policyworker.refit.sparse_link import Link
 
 TRANSPORTS = ("zmq", "vllm_zmq_sparse")
@@ -90,6 +90,8 @@ class SparseCall:
     overwrite_names: list[str]
     """Names the reference sends as absolute values rather than XOR; every delta here is absolute,
     so any list is accepted (checked against the refit info)."""
+    full_resync: bool = False
+    """Send every tensor whole, to receivers at any version (one restarted from the HF weights)."""
 
     def check(self, shard: Shard, info: Mapping[str, Any], targets: list[str]) -> None:
         """`ValueError` naming the argument; nothing has moved yet."""
@@ -138,48 +140,70 @@ def stream(
     transfer_id: str,
     timeout_s: float,
     api_key: str | None = None,
+    full: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> dict[str, int]:
-    """Send this producer's deltas to every receiver in `targets`; they become `pending`.
-    Raises `RefitError` if a receiver refuses or does not answer in time (nothing pending)."""
+    """Send this producer's deltas to the receivers in `targets` (through the first, which
+    relays); they become `pending`. `full`: every owned tensor whole, to receivers at any
+    version (a full resync: they end at the version this refit makes). Raises `RefitError` if
+    a receiver refuses or does not answer in time (then nothing is pending)."""
     source.pending = None
-    links = [Link(targets[0])]  # the relay tree's root: the others get it from there
-    base = {"transfer": transfer_id, "producer": source.shard.rank, "tree": targets,
-            "base_version": source.version} | ({"key": api_key} if api_key else {})  # fmt: skip
-    stats = dict.fromkeys(("payloads", "wire_bytes", "changed_elements", "total_elements"), 0)
+    meta = {"transfer": transfer_id, "producer": source.shard.rank, "tree": targets,
+            "base_version": source.version, "full": full} | ({"key": api_key} if api_key else {})  # fmt: skip
+    out = _Payloads(Link(targets[0]), meta, timeout_s, bucket_bytes)
     pending: list[TensorDelta] = []
-    bucket: list[TensorDelta] = []
     try:
-
-        def flush() -> None:
-            body, crc = encode(bucket)
-            meta = base | {"payload": stats["payloads"], "crc": crc}
-            for link in links:
-                link.call([b"DATA", json.dumps(meta).encode(), body], timeout_s)
-            stats["payloads"] += 1
-            stats["wire_bytes"] += len(body) * len(links)
-            bucket.clear()
-
         for i, (name, t) in enumerate(tensors):
-            if not source.shard.owns(i):
-                continue
-            d = delta(name, t.detach(), source.baseline[name])
-            stats["changed_elements"] += d.changed
-            stats["total_elements"] += t.numel()
-            pending.append(d)
-            bucket.append(d)
-            if sum(x.nbytes for x in bucket) >= bucket_bytes:
-                flush()
-        if bucket or not stats["payloads"]:
-            flush()  # at least one payload: a receiver learns the version even if none changed
-        done = base | {"payloads": stats["payloads"]}
-        for link in links:
-            link.call([b"DONE", json.dumps(done).encode()], timeout_s)
+            if source.shard.owns(i):
+                d = delta(name, t.detach(), source.baseline[name])
+                pending.append(d)
+                out.add(whole(d, t) if full else d, t.numel())
+        out.finish()
     finally:
-        for link in links:
-            link.close()
-    source.pending, source.stats = pending, stats
-    return stats
+        out.link.close()
+    source.pending, source.stats = pending, out.stats
+    return out.stats
+
+
+class _Payloads:
+    """Deltas coalesced into payloads of up to `bucket_bytes` (raw), each sent as it fills."""
+
+    def __init__(
+        self, link: Link, meta: dict[str, Any], timeout_s: float, bucket_bytes: int
+    ) -> None:
+        self.link, self.meta, self.timeout_s, self.bucket_bytes = (
+            link,
+            meta,
+            timeout_s,
+            bucket_bytes,
+        )
+        self.bucket: list[TensorDelta] = []
+        self.stats = dict.fromkeys(
+            ("payloads", "wire_bytes", "changed_elements", "total_elements"), 0
+        )
+
+    def add(self, d: TensorDelta, elements: int) -> None:
+        self.stats["changed_elements"] += d.changed
+        self.stats["total_elements"] += elements
+        self.bucket.append(d)
+        if sum(x.nbytes for x in self.bucket) >= self.bucket_bytes:
+            self._send()
+
+    def finish(self) -> None:
+        """The last payload (at least one: a receiver learns the version even if nothing
+        changed), then DONE with the count."""
+        if self.bucket or not self.stats["payloads"]:
+            self._send()
+        done = self.meta | {"payloads": self.stats["payloads"]}
+        self.link.call([b"DONE", json.dumps(done).encode()], self.timeout_s)
+
+    def _send(self) -> None:
+        body, crc = encode(self.bucket)
+        meta = self.meta | {"payload": self.stats["payloads"], "crc": crc}
+        self.link.call([b"DATA", json.dumps(meta).encode(), body], self.timeout_s)
+        self.stats["payloads"] += 1
+        self.stats["wire_bytes"] += len(body)
+        self.bucket.clear()
 
 
 def finish(source: SparseSource, *, succeeded: bool) -> None:

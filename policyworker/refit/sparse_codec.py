@@ -87,6 +87,13 @@ def delta(name: str, new: torch.Tensor, base: torch.Tensor) -> TensorDelta:
     return TensorDelta(name, shape, new.dtype, where.to(index_dtype).cpu(), values, where.numel())
 
 
+def whole(d: TensorDelta, new: torch.Tensor) -> TensorDelta:
+    """`d` as a dense delta of all of `new` (a full resync), keeping its changed count."""
+    if d.index is None:
+        return d
+    return TensorDelta(d.name, d.shape, d.dtype, None, new.reshape(-1).cpu().clone(), d.changed)
+
+
 def apply_delta(target: torch.Tensor, d: TensorDelta) -> None:
     """Write the delta's bits into `target` (in place; any device)."""
     flat = bits(target)

@@ -79,10 +79,13 @@ class SparseReceiver:
                     f"(version {self.version})"
                 ) from None
             self._reply(peer, None)
+        if t.full_base is not None and {d.name for d in t.staged} != set(self.info):
+            missing = sorted(set(self.info) - {d.name for d in t.staged})
+            raise RefitError(f"sparse refit {transfer_id}: a full resync without {missing[:3]}")
         with torch.no_grad():
             for d in t.staged:
                 apply_delta(self.targets[d.name], d)
-        self.version += 1
+        self.version = (self.version if t.full_base is None else t.full_base) + 1
         return self.version
 
     def _handle(self, t: _Transfer, kind: bytes, rest: list[bytes]) -> None:
@@ -93,10 +96,12 @@ class SparseReceiver:
             str(meta.get("key", "")), self.api_key
         ):
             raise RefitError("a message without the right API key")
-        if meta.get("base_version") != self.version:
+        if meta.get("full"):  # a full resync: whole tensors, whatever this receiver holds
+            t.full_base = int(meta["base_version"])
+        elif meta.get("base_version") != self.version:
             raise RefitError(
                 f"a delta against version {meta.get('base_version')}, but this receiver holds "
-                f"version {self.version} (restarted?): it needs a full refit first"
+                f"version {self.version} (restarted?): it needs a full resync first"
             )
         producer = int(meta["producer"])
         if kind == b"DONE":
@@ -157,6 +162,8 @@ class _Transfer:
         self.seen: set[tuple[int, int]] = set()
         self.done: dict[int, int] = {}
         self.staged: list[TensorDelta] = []
+        self.full_base: int | None = None
+        """A full resync: the trainer's baseline version it brings this receiver past."""
 
     def complete(self) -> bool:
         if len(self.done) < self.producers:

@@ -15,14 +15,12 @@ teacher's checkpoint again at the next step ("evict").
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
-from policyworker.config import PolicyConfig
 from policyworker.data.contract import FULL_PAYLOAD, check_full_payload
 from policyworker.data.microbatch import Microbatch
 from policyworker.model.hf_config import load_hf_config, model_shape
@@ -55,21 +53,6 @@ class VocabSlice:
     cols: int
     vocab_size: int
     """The student's true vocabulary; a teacher's must be at least as large."""
-
-
-def teacher_path(config: Any) -> str:
-    """The HF folder of a teacher's policy config: a `PolicyConfig`, NeMo-RL's dict (its
-    `model_name`), or the path itself."""
-    if isinstance(config, PolicyConfig):
-        return config.model_name
-    if isinstance(config, Mapping) and isinstance(config.get("model_name"), str):
-        return config["model_name"]
-    if isinstance(config, str | Path):
-        return str(config)
-    raise ValueError(
-        "teacher_path_config: expected a PolicyConfig, a dict with model_name, or a path; got "
-        f"{type(config).__name__}"
-    )
 
 
 class TeacherHeads:
