@@ -174,8 +174,9 @@ def _dealer(address):
 
 def test_duplicates_are_applied_once_and_a_missing_payload_applies_nothing():
     """In-process receiver: a payload sent twice is acknowledged twice and staged once; a
-    transfer whose DONE counts a payload that never came (dropped, or a producer that died)
-    ends at the deadline with nothing applied; a stale transfer's message is refused."""
+    transfer whose DONE counts a payload that never came (dropped), or whose producer died
+    before its DONE, ends at the deadline with nothing applied; a stale transfer's message is
+    refused."""
     live = {"w": torch.zeros(4, 32, dtype=torch.bfloat16)}
     info = {"w": ((4, 32), torch.bfloat16)}
     receiver = SparseReceiver(live, info)
@@ -199,6 +200,14 @@ def test_duplicates_are_applied_once_and_a_missing_payload_applies_nothing():
         assert receiver.version == 1 and torch.equal(live["w"], new)
         for _ in range(2):
             sock.recv_multipart()  # its acks
+        # a producer that dies after its first payload (its socket gone, no DONE)
+        meta3 = meta2 | {"transfer": "w"}
+        dying = _dealer(receiver.address)
+        dying.send_multipart([b"DATA", json.dumps(meta3).encode(), body])
+        dying.close(linger=-1)
+        with pytest.raises(RefitError, match="incomplete"):
+            receiver.receive("w", 1, timeout_s=0.5)
+        assert receiver.version == 1 and torch.equal(live["w"], new)
         sock.send_multipart([b"DATA", json.dumps(meta2).encode(), body])  # now a stale one
         with pytest.raises(RefitError, match="stale"):
             receiver.receive("v", 1, timeout_s=5)
