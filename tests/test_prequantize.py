@@ -124,8 +124,9 @@ def _local_engine(folder, sent, names) -> HFEngine:
 @pytest.mark.processes
 @pytest.mark.parametrize("transport", ["ipc-direct", "ipc-buffers", "collective"])
 def test_every_transport_carries_the_mxfp8_slots(llama_dir, transport):
-    """Two refits after training steps: the engine receives the fp8 values and scales bit for
-    bit, and scores with their dequantization exactly as an engine given them by hand."""
+    """Refits after training steps (two into the shared staging, one on the other paths): the
+    engine receives the fp8 values and scales bit for bit, and scores with their
+    dequantization exactly as an engine given them by hand."""
     refit = RefitConfig(checksum=True, timeout_s=30.0)
     worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), refit=refit)
     info = worker.enable_refit_prequantize(list(NAMES))
@@ -138,7 +139,7 @@ def test_every_transport_carries_the_mxfp8_slots(llama_dir, transport):
     else:
         gen = GenerationProcess(str(llama_dir), info, shared_staging=transport == "ipc-direct")
     with gen:
-        for version in (1, 2):
+        for version in (1, 2) if transport == "ipc-direct" else (1,):
             worker.train(data, NLLLoss())
             if transport == "collective":
                 gen.begin_refit_collective()

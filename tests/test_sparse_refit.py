@@ -71,16 +71,16 @@ def _stream(worker, targets, transfer_id, **kw):
 
 
 def test_refits_through_a_relay_tree_are_exact_and_sparse(llama_dir):
-    """Three steps at lr 1e-6 and refits into three engines (the first relays to the other
-    two): each bitwise equal to the trainer's export each time; the payloads left the trainer
-    once, and the wire carried a fraction of a full refit."""
+    """Two steps at lr 1e-6 and refits into three engines (the first relays to the other two):
+    each bitwise equal to the trainer's export each time; the payloads left the trainer once,
+    and the wire carried a fraction of a full refit."""
     worker, info = _setup(llama_dir, 1e-6)
     full_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in info.values())
     data = make_batch(batch=4, seq=12)
     engines = [GenerationProcess(str(llama_dir), info) for _ in range(3)]
     try:
         targets = [e.bind_sparse() for e in engines]
-        for version in (1, 2, 3):
+        for version in (1, 2):
             worker.train(data, NLLLoss())
             for e in engines:
                 e.begin_refit_sparse(f"t{version}", 1)
