@@ -209,8 +209,8 @@ def test_compiled_reverse_kl_and_mxfp8_match_cpu():
     upstream = torch.randn(2, 256, generator=g)
     results = {}
     for device in ("cpu", "cuda"):
-        h = hidden.to(device).requires_grad_(True)
-        w = weight.to(device).requires_grad_(True)
+        h = hidden.to(device, copy=True).requires_grad_(True)  # a leaf on either device
+        w = weight.to(device, copy=True).requires_grad_(True)
         rows = TeacherRows(t_hidden.to(device), (t_head.to(device),))
         opts = LogitOptions(temperature=0.8, tp_group=None, vocab_size=4000, chunk_tokens=100)
         kl = reverse_kl(Head(h, w), rows, opts)
