@@ -65,6 +65,18 @@ class CheckOptions:
                 raise ValueError(f"{flag}: only the reshard transport has destination workers")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Run:
+    """What a receiving side (`_engine`, `_sparse`, `_reshard`) is given: the options, the
+    batch both sides score, a scratch folder, and the extra fields of the JSON line it fills."""
+
+    opts: CheckOptions
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    tmp: Path
+    extra: dict[str, object]
+
+
 def _ranks(tp: int, ep: int, etp: int) -> int:
     return math.lcm(tp, ep * etp)
 
@@ -102,7 +114,8 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
     ):
         ids, lengths = _fixed_batch(trainer.shape.vocab_size)
         side = {"reshard": _reshard, "sparse": _sparse}.get(opts.transport, _engine)
-        report, version, equal, theirs = side(trainer, opts, ids, lengths, Path(tmp), extra)
+        run = Run(opts=opts, ids=ids, lengths=lengths, tmp=Path(tmp), extra=extra)
+        report, version, equal, theirs = side(trainer, run)
         ours = trainer.get_logprobs(data=BatchedDataDict(input_ids=ids, input_lengths=lengths))
     diff = float((ours["logprobs"] - theirs).abs().max())
     return extra | {
@@ -132,15 +145,9 @@ def _exported(policy: Policy, folder: Path) -> dict[str, torch.Tensor]:
     return load_file(folder / "model.safetensors")
 
 
-def _engine(
-    trainer: Policy,
-    opts: CheckOptions,
-    ids: torch.Tensor,
-    lengths: torch.Tensor,
-    tmp: Path,
-    extra: dict[str, object],
-) -> tuple[RefitReport, int, bool, torch.Tensor]:
+def _engine(trainer: Policy, run: Run) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into a generation process over IPC or the collective."""
+    opts, ids, lengths, tmp = run.opts, run.ids, run.lengths, run.tmp
     from policyworker.driver.policy import rank_flags
     from policyworker.generation import process
     from policyworker.parallel.dims import free_port
@@ -173,16 +180,10 @@ def _same_weights(gen: Any, trainer: Policy, tmp: Path) -> bool:
     return sums.keys() == want.keys() and all(sums[n] == tensor_sums(t) for n, t in want.items())
 
 
-def _sparse(
-    trainer: Policy,
-    opts: CheckOptions,
-    ids: torch.Tensor,
-    lengths: torch.Tensor,
-    tmp: Path,
-    extra: dict[str, object],
-) -> tuple[RefitReport, int, bool, torch.Tensor]:
+def _sparse(trainer: Policy, run: Run) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """A training step, then a sparse refit over TCP into a generation process that loaded the
     same HF weights (every trainer rank a producer), `opts.refits` times."""
+    opts, ids, lengths, tmp, extra = run.opts, run.ids, run.lengths, run.tmp, run.extra
     import time
 
     from policyworker.data.batched_data_dict import BatchedDataDict
@@ -218,15 +219,9 @@ def _sparse(
         return report, version, _same_weights(gen, trainer, tmp), gen.logprobs(ids, lengths)
 
 
-def _reshard(
-    trainer: Policy,
-    opts: CheckOptions,
-    ids: torch.Tensor,
-    lengths: torch.Tensor,
-    tmp: Path,
-    extra: dict[str, object],
-) -> tuple[RefitReport, int, bool, torch.Tensor]:
+def _reshard(trainer: Policy, run: Run) -> tuple[RefitReport, int, bool, torch.Tensor]:
     """Refits into destination workers of another TP / EP / expert-TP layout."""
+    opts, ids, lengths, tmp = run.opts, run.ids, run.lengths, run.tmp
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.driver.policy import Policy
     from policyworker.parallel.dims import free_port
