@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,7 +61,6 @@ class SparseSource:
     version: int = 0
     """The version the baseline holds (0: the HF weights the engines loaded)."""
     pending: list[TensorDelta] | None = None
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 def check_shard(shard_rank: object, shard_count: object, transport: object) -> Shard:
@@ -161,7 +160,7 @@ def stream(
         out.finish()
     finally:
         out.link.close()
-    source.pending, source.stats = pending, out.stats
+    source.pending = pending
     return out.stats
 
 
@@ -178,6 +177,7 @@ class _Payloads:
             bucket_bytes,
         )
         self.bucket: list[TensorDelta] = []
+        self.bucket_size = 0  # raw bytes of `bucket`
         self.stats = dict.fromkeys(
             ("payloads", "wire_bytes", "changed_elements", "total_elements"), 0
         )
@@ -186,7 +186,8 @@ class _Payloads:
         self.stats["changed_elements"] += d.changed
         self.stats["total_elements"] += elements
         self.bucket.append(d)
-        if sum(x.nbytes for x in self.bucket) >= self.bucket_bytes:
+        self.bucket_size += d.nbytes
+        if self.bucket_size >= self.bucket_bytes:
             self._send()
 
     def finish(self) -> None:
@@ -204,6 +205,7 @@ class _Payloads:
         self.stats["payloads"] += 1
         self.stats["wire_bytes"] += len(body)
         self.bucket.clear()
+        self.bucket_size = 0
 
 
 def finish(source: SparseSource, *, succeeded: bool) -> None:
