@@ -19,6 +19,8 @@ from policyworker.checkpoint.checkpointer import Checkpointer, Trainee
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.microbatch import MicrobatchPlan, build_plan
+from policyworker.generation.decode import Decoder, Routes
+from policyworker.generation.sampler import Sampler
 from policyworker.memory.residency import Residency
 from policyworker.model.build import build_gpt_model, global_named_parameters
 from policyworker.model.hf_config import (
@@ -33,6 +35,7 @@ from policyworker.model.replay import Replay
 from policyworker.model.routing import RouteCounts
 from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_hf_weights
 from policyworker.ops.logprobs import LogitOptions
+from policyworker.ops.sampling import pad_token
 from policyworker.parallel.dims import Groups, ParallelDims, setup_parallel
 from policyworker.refit.source import RefitSource
 from policyworker.train.inference import Collector
@@ -267,6 +270,40 @@ def build_collector(
         max_seq_len=w.cfg.max_total_sequence_length,
         default_mbs=w.cfg.logprob_batch_size,
         routes=routers,
+    )
+
+
+def build_sampler(
+    w: Parts, state: PolicyState, routers: RouteSpec | None, tokenizer: Any | None
+) -> Sampler:
+    """`generate`'s loop on the forward model; stops at the model's (and tokenizer's) EOS."""
+    eos = getattr(w.hf_config, "eos_token_id", None)
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer is not None:
+        eos_ids |= {tokenizer.eos_token_id} - {None}
+    d = w.dims
+    whole = d.tp == d.pp == d.cp == 1 and routers is None  # one GPU runs the whole model
+    routes = None
+    if routers is not None:
+        routes = Routes(replay=routers.replay_layers, num_layers=routers.num_layers,
+                        topk=routers.topk)  # fmt: skip
+    decoder = Decoder(
+        model=state.forward_model,
+        groups=w.groups,
+        device=w.device,
+        vocab_size=w.shape.vocab_size,
+        max_seq_len=w.cfg.max_total_sequence_length,
+        pad_id=pad_token(w.hf_config, tokenizer),
+        routes=routes,
+        graphs=w.cfg.generation.cuda_graphs and w.device.type == "cuda" and whole,
+    )
+    return Sampler(
+        decoder,
+        w.cfg.generation,
+        temperature=w.cfg.temperature,
+        eos_ids=tuple(sorted(eos_ids)),
+        tokenizer=tokenizer,
+        seed=w.cfg.seed,
     )
 
 

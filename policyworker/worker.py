@@ -64,6 +64,7 @@ class MegatronPolicyWorker:
         routers = assembly.build_routers(parts, self.state)
         self.trainer = assembly.build_trainer(parts, self.state, self.plan, routers)
         self.collector = assembly.build_collector(parts, self.state, self.plan, routers)
+        self.sampler = assembly.build_sampler(parts, self.state, routers, tokenizer)
         self.refit, self.memory, self.checkpoints = assembly.build_services(parts, self.state)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint, optimizer_path)
@@ -130,6 +131,15 @@ class MegatronPolicyWorker:
         self.memory.require("get_logprobs_with_full_payload", "params")
         mbs = self.collector.check(data, micro_batch_size)
         return self.collector.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
+
+    def generate(self, *, data: BatchedDataDict, greedy: bool = False,
+                 seed: int | None = None) -> BatchedDataDict:  # fmt: skip
+        """Sample responses with this model (`cfg.generation`, a KV cache, no refit): the
+        reference's generation keys; their `logprobs` are `get_logprobs`' (ops/sampling.py)."""
+        self.memory.require("generate", "params")
+        stops = self.sampler.check(data, seed)
+        self.state.overlap.sync_params()  # whole parameters, not a step's pending shards
+        return self.sampler.generate(data, stops, greedy=greedy, seed=seed)
 
     def calibrate_qkv_fp8_scales(
         self, *, data: BatchedDataDict, micro_batch_size: int | None = None,

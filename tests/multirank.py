@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import HostReads, make_batch
 
 from policyworker.config import (
+    GenerationConfig,
     MoEConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -56,6 +57,7 @@ BATCH, SEQ, TOPK = 8, 14, 5
 LENGTHS = [14, 13, 14, 12, 3, 4, 2, 5]
 PACK_TOKENS = 32
 CHUNK = 5  # logprob_chunk_size: divides no micro-batch's tokens
+NEW_TOKENS = 6  # generation.max_new_tokens
 
 
 def train(
@@ -111,6 +113,28 @@ def layout_results(
     out["reference_after"] = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
     # as the routers choose (transformers' logprobs of the export route on their own too)
     out["logprobs_final"] = worker.get_logprobs(data=data, require_router_replay=False)["logprobs"]
+    out |= generated(worker, data)
+    return out
+
+
+def generated(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
+    """Greedy responses to the rows' first halves, and (one data-parallel rank: the draws
+    follow the rows' order within a call) sampled ones, padded to one width. None for an MoE
+    model under TP (`generate` refuses it)."""
+    if worker.shape.moe is not None and worker.dims.tp > 1:
+        return {}
+    prompts = BatchedDataDict(
+        {"input_ids": data["input_ids"], "input_lengths": (data["input_lengths"] + 1) // 2}
+    )
+    calls = {"greedy": {"greedy": True}}
+    if worker.dims.dp == 1:
+        calls["sampled"] = {"seed": 11}
+    out = {}
+    for name, kwargs in calls.items():
+        got = worker.generate(data=prompts, **kwargs)
+        pad = SEQ + NEW_TOKENS - got["output_ids"].shape[1]
+        out[f"{name}_ids"] = torch.nn.functional.pad(got["output_ids"], (0, pad), value=-1)
+        out[f"{name}_logprobs"] = torch.nn.functional.pad(got["logprobs"], (0, pad))
     return out
 
 
@@ -191,6 +215,7 @@ def config(
             sequence_parallel=sp,
         ),
         sequence_packing=packing,
+        generation=GenerationConfig(max_new_tokens=NEW_TOKENS),
         moe=MoEConfig(
             moe_token_dispatcher_type=dispatcher,
             router_replay=replay,

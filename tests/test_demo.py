@@ -44,6 +44,20 @@ def test_demo_smoke(tmp_path):
     assert (hf_logprobs(out / "hf", data) - hf_logprobs(out / "init", data)).abs().max() > 1e-3
 
 
+@pytest.mark.processes
+def test_demo_samples_in_the_workers_with_engine_megatron(tmp_path):
+    """engine=megatron: the workers generate (no refit, no engine process); the generation
+    logprobs are the trainer's, so token_mult_prob_error is 1 (fp32)."""
+    out = tmp_path / "run"
+    main(["demo", "--out", str(out), "engine=megatron", *SMALL])
+    rows = _demo_rows(out)
+    grpo = [r for r in rows if r["phase"] == "grpo"]
+    assert len(grpo) == 3 and all(r["engine"] == "megatron" for r in grpo)
+    assert all(r["weight_version"] is None for r in grpo)  # nothing was refitted
+    assert all(abs(r["token_mult_prob_error"] - 1) <= 1e-5 for r in grpo)
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in grpo)
+
+
 def _demo_rows(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k != "refit_s"} for r in rows]  # refit_s: a timing
@@ -154,6 +168,8 @@ def _exits_2(argv: list[str], capsys) -> str:
         "sft_lr=inf",
         "grpo_lr=inf",
         "temperature=nan",
+        "engine=vllm",
+        "worker.generation.max_new_tokens=9",
     ],
 )
 def test_bad_options_exit_2_before_any_work(tmp_path, capsys, override):

@@ -37,6 +37,7 @@ def config(folder: Path, tp: int = 1) -> PolicyConfig:
         logprob_batch_size=2,
         max_total_sequence_length=64,
         parallel=ParallelConfig(tensor_model_parallel_size=tp),
+        generation={"max_new_tokens": 6},
     )
 
 
@@ -57,7 +58,14 @@ def results(worker: MegatronPolicyWorker | Policy, folder: Path) -> dict[str, ob
     hidden = torch.randn(8, 12, 64, generator=torch.Generator().manual_seed(3))
     opd = BatchedDataDict({**data, "teacher_full_payload": hidden})
     out["train"].append(worker.train(opd, FullDistillationLoss()))
-    return out | {"logprobs_after": worker.get_logprobs(data=data)["logprobs"]}
+    prompts = BatchedDataDict({"input_ids": data["input_ids"],
+                               "input_lengths": (data["input_lengths"] + 1) // 2})  # fmt: skip
+    generated = worker.generate(data=prompts, greedy=True)  # shards of different widths
+    return out | {
+        "logprobs_after": worker.get_logprobs(data=data)["logprobs"],
+        "generated_ids": generated["output_ids"],
+        "generated_logprobs": generated["logprobs"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +79,8 @@ def single(model_dir: Path) -> dict[str, object]:
 
 
 def assert_equal_results(got: dict, want: dict) -> None:
-    for key in ("logprobs", "reference", "topk_logits", "logprobs_after"):
+    assert torch.equal(got["generated_ids"], want["generated_ids"])
+    for key in ("logprobs", "reference", "topk_logits", "logprobs_after", "generated_logprobs"):
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
     assert torch.equal(got["topk_indices"], want["topk_indices"])
     for g, w in zip(got["train"], want["train"], strict=True):

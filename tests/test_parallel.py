@@ -97,6 +97,7 @@ def test_layout_matches_single_rank(layout, tied_dir, single, two_ranks, tmp_pat
     assert (got["dims"].tp, got["dims"].pp, got["dims"].cp) == (tp, pp, cp)
     assert got["dims"].dp == 2 // (tp * pp * cp)
     _assert_matches(got, single, tied_dir, VOCAB, two_ranks / f"{layout}.hf", pp=pp)
+    assert "greedy_ids" in got and ("sampled_ids" in got) == (got["dims"].dp == 1)
     if (tp, pp) == (2, 1):  # the seed's TP report: the same split of the same names
         report, want = got["tp_attributes"], single["tp_attributes"]
         assert (report["tp_size"], want["tp_size"]) == (2, 1)
@@ -179,6 +180,10 @@ def _assert_matches(got, single, folder, vocab, exported, *, pp):
     assert moved > 1e-2
     assert (got["logprobs_after"] - single["logprobs_after"]).abs().max() <= 1e-4
     assert (got["logprobs_final"] - single["logprobs_final"]).abs().max() <= 1e-4
+    # generation in the worker: the same tokens (greedy; sampled with one data-parallel rank)
+    for name in (n for n in ("greedy", "sampled") if f"{n}_ids" in got):
+        assert torch.equal(got[f"{name}_ids"], single[f"{name}_ids"]), name
+        assert (got[f"{name}_logprobs"] - single[f"{name}_logprobs"]).abs().max() <= 1e-4, name
     # The HF export (TP shards gathered, one file per pipeline stage) holds the trained weights.
     assert len(list(exported.glob("*.safetensors"))) == pp
     assert (hf_logprobs(exported, fixed_batch(vocab)) - got["logprobs_final"]).abs().max() <= 1e-4

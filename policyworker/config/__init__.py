@@ -25,6 +25,7 @@ from policyworker.config.convert import check as _check
 from policyworker.config.sections import (
     CheckpointConfig,
     DynamicBatchingConfig,
+    GenerationConfig,
     MoEConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -37,6 +38,7 @@ from policyworker.config.sections import (
 __all__ = [
     "CheckpointConfig",
     "DynamicBatchingConfig",
+    "GenerationConfig",
     "MoEConfig",
     "OptimizerConfig",
     "ParallelConfig",
@@ -106,6 +108,8 @@ class PolicyConfig:
     """Weight hand-over to a generation engine."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Distributed checkpoints."""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """Sampling in the worker (`generate`)."""
 
     def __post_init__(self) -> None:
         sections_from_dicts(self)
@@ -155,6 +159,7 @@ class PolicyConfig:
         self.dynamic_batching.validate()
         self.refit.validate()
         self.checkpoint.validate()
+        self.generation.validate()
         _check(
             not (self.sequence_packing.enabled and self.dynamic_batching.enabled),
             "dynamic_batching.enabled",

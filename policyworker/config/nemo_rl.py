@@ -34,6 +34,9 @@ MAPPED: dict[str, str] = {
     "precision": "precision",
     "max_grad_norm": "max_grad_norm",
     "generation.temperature": "temperature",
+    "generation.max_new_tokens": "generation.max_new_tokens",
+    "generation.stop_token_ids": "generation.stop_token_ids",
+    "generation.stop_strings": "generation.stop_strings",
     "make_sequence_length_divisible_by": "sequence_packing.make_sequence_length_divisible_by",
     "megatron_cfg.tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
     "megatron_cfg.pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
@@ -130,7 +133,7 @@ _INERT: dict[str, Callable[[dict[str, Any]], bool]] = {
     "megatron_cfg.optimizer.sgd_": lambda p: (
         _mcore(p).get("optimizer", {}).get("optimizer") == "adam"
     ),
-    "generation.": lambda p: True,  # the generation engine's settings (temperature aside)
+    "generation.": lambda p: True,  # the generation engine's other settings
     "generation_batch_size": lambda p: True,  # the HF generation backend's
 }
 

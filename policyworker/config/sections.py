@@ -304,3 +304,40 @@ class CheckpointConfig:
     def validate(self, prefix: str = "checkpoint") -> None:
         n = self.writer_threads
         _check(isinstance(n, int) and n >= 1, f"{prefix}.writer_threads", "an int >= 1", n)
+
+
+@dataclass(kw_only=True, slots=True)
+class GenerationConfig:
+    """Sampling in the worker (`generate`): the model that trains draws the responses, with a
+    KV cache, no refit. The temperature is the policy's `temperature`."""
+
+    max_new_tokens: int = 512
+    """Tokens drawn per prompt at most; a row also stops at `max_total_sequence_length`."""
+    top_k: int | None = None
+    """Draw from the k most likely tokens only (None: all)."""
+    top_p: float = 1.0
+    """Draw from the smallest set of tokens whose probability reaches top_p (1.0: all)."""
+    stop_token_ids: list[int] | None = None
+    """A row ends after any of these tokens (kept in the output); None: the model's EOS."""
+    stop_strings: list[str] | None = None
+    """A row ends once its decoded response contains one of these (needs the tokenizer);
+    a batch's `stop_strings` column adds per-row ones."""
+    cuda_graphs: bool = True
+    """On a GPU, run the decode steps as replays of one CUDA graph when the model is whole on
+    each GPU (no TP, PP, CP or experts); otherwise, and with false, step by step."""
+
+    def validate(self, prefix: str = "generation") -> None:
+        n = self.max_new_tokens
+        ok = isinstance(n, int) and not isinstance(n, bool) and n >= 1
+        _check(ok, f"{prefix}.max_new_tokens", "an int >= 1", n)
+        k = self.top_k
+        ok = k is None or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)
+        _check(ok, f"{prefix}.top_k", "null or an int >= 1", k)
+        p = self.top_p
+        _check(finite(p) and 0 < p <= 1, f"{prefix}.top_p", "a number in (0, 1]", p)
+        ids = self.stop_token_ids
+        ok = ids is None or all(isinstance(i, int) and i >= 0 for i in ids)
+        _check(ok, f"{prefix}.stop_token_ids", "null or a list of token ids", ids)
+        words = self.stop_strings
+        ok = words is None or all(isinstance(w, str) and w for w in words)
+        _check(ok, f"{prefix}.stop_strings", "null or a list of non-empty strings", words)

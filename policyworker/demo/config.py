@@ -95,6 +95,10 @@ class DemoConfig:
     """Further `PolicyConfig` fields for the workers, e.g. `worker.max_grad_norm=0.5` or
     `worker.parallel.tensor_model_parallel_size=2` (a NeMo-RL recipe's policy section lands
     here); the fields the demo sets itself (`DEMO_SETS`) are refused."""
+    engine: Literal["transformers", "megatron"] = "transformers"
+    """Who samples the responses: our transformers engine in its own process, refitted from
+    the workers over IPC every GRPO step, or the workers themselves (`Policy.generate`: the
+    model that trains, a KV cache, no refit)."""
     workers: int = 1
     """Worker processes (data parallel), started and driven by `policyworker.Policy`."""
     backend: Literal["local", "ray"] = "local"
@@ -117,6 +121,7 @@ class DemoConfig:
         for name in ("sft_steps", "grpo_steps", "save_every"):
             check(getattr(self, name) >= 0, name, ">= 0")
         check(self.backend in ("local", "ray"), "backend", "'local' or 'ray'")
+        check(self.engine in ("transformers", "megatron"), "engine", "'transformers' or 'megatron'")
         for name in (
             "sft_batch",
             "prompts_per_step",
@@ -141,6 +146,13 @@ class DemoConfig:
                 raise ValueError(f"worker.{key}: set by the demo; use {DEMO_SETS[key]} instead")
         if isinstance(self.worker.get("optimizer"), dict) and "lr" in self.worker["optimizer"]:
             raise ValueError("worker.optimizer.lr: set by the demo; use sft_lr and grpo_lr")
+        gen = self.worker.get("generation")
+        if isinstance(gen, dict) and gen.get("max_new_tokens", self.max_new_tokens) != (
+            self.max_new_tokens
+        ):
+            raise ValueError(
+                "worker.generation.max_new_tokens: set by the demo; use max_new_tokens"
+            )
         check(
             self.max_sequence_length > self.max_new_tokens,
             "max_sequence_length",
@@ -201,6 +213,7 @@ def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
         "temperature": cfg.temperature,
         "seed": cfg.seed,
     }
+    ours["generation"] = {**cfg.worker.get("generation", {}), "max_new_tokens": cfg.max_new_tokens}
     optimizer = {"weight_decay": 0.0, "betas": [0.9, 0.99], **cfg.worker.get("optimizer", {})}
     ours["optimizer"] = {**optimizer, "lr": cfg.sft_lr}
     return from_dict(PolicyConfig, {**cfg.worker, **ours}, prefix="worker.")

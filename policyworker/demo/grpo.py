@@ -128,13 +128,16 @@ class Run:
         if resume is not None:  # the loop's own state: data order, rows so far
             self.start_step = resume.loop["step"]
             self.rng.setstate(_rng_state(resume.loop["rng"]))
-        # The sampler: a transformers engine in its own process, refitted over IPC.
-        self.sampler = GenerationProcess(
-            str(model_dir),
-            self.policy.prepare_refit_info(),
-            tokenizer=self.tokenizer,
-            device=str(self.policy.device),
-        )
+        # The sampler: a transformers engine in its own process, refitted over IPC; or none
+        # (engine=megatron: the workers sample).
+        self.sampler = None
+        if cfg.engine == "transformers":
+            self.sampler = GenerationProcess(
+                str(model_dir),
+                self.policy.prepare_refit_info(),
+                tokenizer=self.tokenizer,
+                device=str(self.policy.device),
+            )
         # Rewritten whole: the rows before the resumed step come from its loop state.
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
@@ -142,7 +145,8 @@ class Run:
             self.record(row)
 
     def close(self) -> None:
-        self.sampler.close()
+        if self.sampler is not None:
+            self.sampler.close()
         self.policy.shutdown()
         self.metrics_file.close()
 
@@ -196,23 +200,12 @@ class Run:
     def grpo_step(self, step: int, loss_fn: ClippedPGLoss) -> dict:
         cfg = self.cfg
         examples = self.draw(cfg.prompts_per_step)
-        # The colocated order: free the trainer's device memory around the weight hand-over,
-        # generate, then take it back for logprobs and training.
-        self.policy.offload_before_refit()
-        start = time.perf_counter()
-        # Rank 0 streams to the one sampler; the other ranks take part in the gathers only.
-        self.sampler.begin_refit_ipc(self.policy.get_zmq_address()[0])
-        self.policy.stream_weights_via_ipc_zmq(send=rank_flags(self.policy.world_size, [0]))
-        version = self.sampler.end_refit()  # the version the sampler applied
-        refit_s = time.perf_counter() - start
-        self.policy.offload_after_refit()
-        samples = self.sampler.sample(
-            [e.prompt for e in examples],
-            n=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.seed * 100_003 + step,
-        )
+        seed = cfg.seed * 100_003 + step
+        prompts = [e.prompt for e in examples]
+        if self.sampler is None:
+            samples, refit_s, version = self.generate(prompts, seed), None, None
+        else:
+            samples, refit_s, version = self.refit_and_sample(prompts, seed)
         answers = [e.answer for e in examples for _ in range(cfg.group_size)]
         rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
         advantages = group_advantages(
@@ -241,11 +234,51 @@ class Run:
         return {
             "step": step,
             "phase": "grpo",
+            "engine": cfg.engine,
             "reward_mean": statistics.fmean(rewards),
             "refit_s": refit_s,
             "weight_version": version,
             **{k: m[k] for k in keep if k in m},
         }
+
+    def refit_and_sample(self, prompts: list[str], seed: int) -> tuple[Samples, float, int]:
+        """The transformers engine's samples after a refit: (samples, refit seconds, the
+        version it applied). The colocated order: the trainer's device memory is freed around
+        the weight hand-over and the sampling."""
+        assert self.sampler is not None
+        self.policy.offload_before_refit()
+        start = time.perf_counter()
+        # Rank 0 streams to the one sampler; the other ranks take part in the gathers only.
+        self.sampler.begin_refit_ipc(self.policy.get_zmq_address()[0])
+        self.policy.stream_weights_via_ipc_zmq(send=rank_flags(self.policy.world_size, [0]))
+        version = self.sampler.end_refit()
+        refit_s = time.perf_counter() - start
+        self.policy.offload_after_refit()
+        samples = self.sampler.sample(
+            prompts,
+            n=self.cfg.group_size,
+            max_new_tokens=self.cfg.max_new_tokens,
+            temperature=self.cfg.temperature,
+            seed=seed,
+        )
+        return samples, refit_s, version
+
+    def generate(self, prompts: list[str], seed: int) -> Samples:
+        """The workers' own samples (`Policy.generate`, in the inference memory phase)."""
+        tok = self.tokenizer
+        encoded = [encode_prompt(tok, p) for p in prompts for _ in range(self.cfg.group_size)]
+        batch = sequences_batch(encoded, [[] for _ in encoded], tok.pad_token_id)
+        self.policy.prepare_for_lp_inference()
+        out = self.policy.generate(data=batch, seed=seed)
+        responses, logprobs = [], []
+        for row, ids in enumerate(encoded):
+            n, end = len(ids), int(out["unpadded_sequence_lengths"][row])
+            responses.append(out["output_ids"][row, n:end].tolist())
+            logprobs.append(out["logprobs"][row, n:end].tolist())
+        texts = [tok.decode(r, skip_special_tokens=True) for r in responses]
+        return Samples(
+            prompt_ids=encoded, response_ids=responses, response_logprobs=logprobs, texts=texts
+        )
 
 
 def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -84,8 +85,13 @@ def split_rows(
     return out
 
 
-def merge(parts: Sequence[BatchedDataDict], rows: Sequence[Sequence[int]]) -> BatchedDataDict:
-    """The shards' outputs as one batch, row i being the caller's row i."""
-    joined = BatchedDataDict.from_batches(list(parts))
+def merge(
+    parts: Sequence[BatchedDataDict],
+    rows: Sequence[Sequence[int]],
+    pads: dict[str, Any] | None = None,
+) -> BatchedDataDict:
+    """The shards' outputs as one batch, row i being the caller's row i; shards of different
+    widths (generated rows) are right-padded with `pads[key]` (default 0)."""
+    joined = BatchedDataDict.from_batches(list(parts), pad_value_dict=pads)
     order = torch.tensor([i for r in rows for i in r], dtype=torch.long)
     return joined.select_indices(torch.argsort(order))

@@ -26,12 +26,13 @@ import torch
 
 from policyworker.config import PolicyConfig, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import validate_batch
+from policyworker.data.contract import ROUTES, validate_batch
 from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
 from policyworker.driver.group import WorkerGroup
 from policyworker.driver.local import LocalGroup, local_envs
 from policyworker.losses.common import Loss
 from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
+from policyworker.ops.sampling import pad_token
 from policyworker.parallel.dims import ParallelDims
 from policyworker.worker import MegatronPolicyWorker
 
@@ -138,9 +139,10 @@ class Policy:
             world_field="num_workers",
         )
         self.cfg = config
-        self.shape = model_shape(
-            load_hf_config(config.model_name, require_weights=weights_path is None)
-        )
+        hf_config = load_hf_config(config.model_name, require_weights=weights_path is None)
+        self.shape = model_shape(hf_config)
+        # generated rows of different shards: padded as one worker pads them
+        self._pads = {"output_ids": pad_token(hf_config, tokenizer), ROUTES: -1}
         check_layout(p, self.shape, config.moe, config.recompute)
         gpus = torch.cuda.device_count()
         if backend == "local" and gpus and gpus < num_workers:
@@ -194,6 +196,7 @@ class Policy:
     get_topk_logits = dispatched(Output.BATCH, sharded="data")
     calibrate_qkv_fp8_scales = dispatched(Output.FIRST, sharded="data")
     get_logprobs_with_full_payload = dispatched(Output.BATCH, sharded="data")
+    generate = dispatched(Output.BATCH, sharded="data")
     load_opd_full_teacher_lm_head = dispatched()
     train = dispatched(sharded="data", split=Split.GLOBAL_BATCHES)
     begin_train_step = dispatched()
@@ -292,7 +295,7 @@ class Policy:
             return answers[0]
         with _timed(timer, f"{name}/merge_results"):
             leaders = [answers[self.mesh.leader(d)] for d in range(len(rows))]
-            return leaders[0] if len(rows) == 1 else merge(leaders, rows)
+            return leaders[0] if len(rows) == 1 else merge(leaders, rows, self._pads)
 
     def _shard(self, call: Call, args: dict[str, Any]) -> list[list[int]]:
         """Rows of each data-parallel shard, after checking the batch here (a bad batch raises

@@ -15,6 +15,7 @@ import torch
 
 from policyworker.model.experts import transformers_view
 from policyworker.ops.mxfp8 import SCALE_SUFFIX, dequantize_mxfp8
+from policyworker.ops.sampling import restrict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -119,31 +120,16 @@ class HFEngine:
         tok = self.tokenizer
         assert tok is not None, "sampling needs the engine's tokenizer"
         encoded = [self.encode_prompt(p) for p in prompts for _ in range(n)]
-        width = max(len(e) for e in encoded)
-        pad = tok.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded], device=self.device)
-        attn = (
-            torch.arange(width, device=self.device)[None, :]
-            >= torch.tensor([width - len(e) for e in encoded], device=self.device)[:, None]
-        ).long()
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            do_sample=True,
+        new, token_lp = self.draw(
+            encoded,
+            pad_id=tok.pad_token_id,
+            eos_id=tok.eos_token_id,
+            max_new_tokens=max_new_tokens,
             temperature=temperature,
+            seed=seed,
             top_k=top_k,
             top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            pad_token_id=pad,
-            eos_token_id=tok.eos_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
         )
-        new = out.sequences[:, width:]  # [N, T]
-        # scores are logits / temperature: their log-softmax is the sampling distribution.
-        logprobs = torch.stack([s.float().log_softmax(-1) for s in out.scores], dim=1)  # [N, T, V]
-        token_lp = logprobs.gather(-1, new[..., None]).squeeze(-1)
         responses, lps, texts = [], [], []
         for row, lp_row in zip(new.tolist(), token_lp.tolist(), strict=True):
             cut = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
@@ -154,5 +140,69 @@ class HFEngine:
             prompt_ids=encoded, response_ids=responses, response_logprobs=lps, texts=texts
         )
 
+    @torch.no_grad()
+    def draw(
+        self,
+        encoded: list[list[int]],
+        *,
+        pad_id: int,
+        eos_id: int | None,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        top_k: int = 0,
+        top_p: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample` on token ids: the [N, T] tokens drawn after each prompt (left-padded for
+        transformers' generate; `eos_id` None: never stop early) and their logprobs."""
+        width = max(len(e) for e in encoded)
+        ids = torch.tensor([[pad_id] * (width - len(e)) + e for e in encoded], device=self.device)
+        attn = (
+            torch.arange(width, device=self.device)[None, :]
+            >= torch.tensor([width - len(e) for e in encoded], device=self.device)[:, None]
+        ).long()
+        torch.manual_seed(seed)
+        record = _DrawnLogprobs(temperature, top_k or None, top_p)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            do_sample=True,
+            temperature=1.0,  # applied by `record`, with top-k and top-p
+            top_k=None,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_id,
+            eos_token_id=eos_id,
+            logits_processor=[record],
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, width:]  # [N, T]
+        return new, record.finish(new)
+
     def encode_prompt(self, prompt: str) -> list[int]:
         return encode_prompt(self.tokenizer, prompt)
+
+
+class _DrawnLogprobs:
+    """A transformers logits processor that makes the sampling distribution itself (logits /
+    temperature within top-k and top-p: `ops.sampling.restrict`, transformers' own warpers off)
+    and keeps its log-softmax for one step, picking the token drawn from it at the next step
+    (and at `finish`): a call holds [N, V], not every step's [N, T, V] scores."""
+
+    def __init__(self, temperature: float, top_k: int | None, top_p: float) -> None:
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.picked: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:  # input_ids now end with the token drawn from `last`
+            self.picked.append(self.last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        scores = restrict(scores.float() / self.temperature, self.top_k, self.top_p)
+        self.last = scores.log_softmax(-1)
+        return scores
+
+    def finish(self, drawn: torch.Tensor) -> torch.Tensor:
+        """The logprobs [N, T] of the `drawn` tokens [N, T]."""
+        assert self.last is not None
+        self.picked.append(self.last.gather(-1, drawn[:, -1:]).squeeze(-1))
+        return torch.stack(self.picked, dim=1)[:, : drawn.shape[1]]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from policyworker.ops.packed import packed_positions
 from policyworker.parallel.context import ContextPlan, ContextSplit
+
+if TYPE_CHECKING:
+    from policyworker.model.kv_cache import LayerCache
 
 
 class Rotary(torch.nn.Module):
@@ -74,6 +78,8 @@ class SDPACoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.rotary = Rotary()
+        self.kv_cache: LayerCache | None = None
+        """Set while the worker generates (`model.kv_cache.attached`): padded rows only."""
 
     def set_rope(self, inv_freq: torch.Tensor) -> None:
         """RoPE inverse frequencies [head_dim / 2] (fp32), applied to queries and keys."""
@@ -92,6 +98,8 @@ class SDPACoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPACoreAttention: attention_bias is not supported")
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.kv_cache is not None:
+            return self.kv_cache.attend(query, key, value, self.rotary, self.softmax_scale)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             split = ContextSplit.of(packed_seq_params)
             if split is not None:

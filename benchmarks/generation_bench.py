@@ -1,0 +1,167 @@
+"""Generation throughput: the worker's own `generate` beside two transformers baselines.
+
+The ~1.6B Llama-like random model of `train_bench.py`, bf16, one process, one GPU; every row
+has a `--prompt`-token prompt and draws exactly `--new` tokens (no stop token: random weights
+would stop at random), sampling at temperature 1:
+
+* ours:       `MegatronPolicyWorker.generate` (our decode loop, KV cache in the core attention);
+* engine:     our transformers engine (`generation.engine.HFEngine.draw`, what
+              `GenerationProcess` runs: transformers' `generate` with its dynamic cache);
+* hf_static:  transformers' `generate` with `cache_implementation="static"`.
+
+For ours it also scores the generated rows with `get_logprobs` and reports the
+`token_mult_prob_error` of the generation logprobs (mean over response tokens of
+exp|generation − get_logprobs|, and its largest per-token value). Prints one JSON line with
+tokens/s per engine and batch size and the ratios. CPU: a smoke run with `--smoke`.
+
+    python benchmarks/generation_bench.py [--batches 64,256] [--prompt 512] [--new 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_bench import DEVICE, emit, free, random_model, sync
+
+
+def seconds(run: Callable[[], object]) -> tuple[float, object]:
+    sync()
+    start = time.perf_counter()
+    out = run()
+    sync()
+    return time.perf_counter() - start, out
+
+
+def bench_ours(folder: Path, prompts: torch.Tensor, new: int, precision: str) -> dict[str, float]:
+    from policyworker.config import PolicyConfig
+    from policyworker.data.batched_data_dict import BatchedDataDict
+    from policyworker.worker import MegatronPolicyWorker
+
+    b, p = prompts.shape
+    cfg = PolicyConfig(
+        model_name=str(folder),
+        precision=precision,
+        logprob_batch_size=min(b, 16),
+        max_total_sequence_length=p + new,
+        generation={"max_new_tokens": new, "stop_token_ids": []},
+    )
+    worker = MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
+    data = BatchedDataDict({"input_ids": prompts, "input_lengths": torch.full((b,), p)})
+    cfg.generation.max_new_tokens = 8  # a short warm-up call
+    worker.generate(data=data, seed=1)
+    cfg.generation.max_new_tokens = new
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    took, out = seconds(lambda: worker.generate(data=data, seed=0))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
+    after = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+    assert int(out["generation_lengths"].min()) == new
+    seqs = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
+    scored = worker.get_logprobs(data=BatchedDataDict(seqs))["logprobs"][:, p:]
+    error = (out["logprobs"][:, p:] - scored).abs().exp()
+    row = {
+        "s": took,
+        "tokens_per_s": b * new / took,
+        "peak_mem_gib": peak,
+        "kv_cache_residue_bytes": after - before if DEVICE == "cuda" else 0,
+        "token_mult_prob_error": float(error.mean()),
+        "token_mult_prob_error_max": float(error.max()),
+    }
+    return row
+
+
+def bench_engine(folder: Path, prompts: torch.Tensor, new: int, dtype: torch.dtype) -> dict:
+    from policyworker.generation.engine import HFEngine
+
+    engine = HFEngine(str(folder), None, device=torch.device(DEVICE), dtype=dtype)
+    engine.model.generation_config.eos_token_id = None
+    rows = prompts.tolist()
+
+    def run(n: int) -> object:
+        return engine.draw(rows, pad_id=0, eos_id=None, max_new_tokens=n, temperature=1.0, seed=0)
+
+    run(8)
+    took, (drawn, _) = seconds(lambda: run(new))
+    assert drawn.shape[1] == new
+    return {"s": took, "tokens_per_s": prompts.shape[0] * new / took}
+
+
+def bench_hf_static(folder: Path, prompts: torch.Tensor, new: int, dtype: torch.dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    model = model.to(DEVICE).eval()
+    model.generation_config.eos_token_id = None
+    ids = prompts.to(DEVICE)
+
+    def run(n: int) -> torch.Tensor:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            return model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=0,
+                cache_implementation="static",
+            )
+
+    run(8)
+    took, out = seconds(lambda: run(new))
+    assert out.shape[1] == ids.shape[1] + new
+    return {"s": took, "tokens_per_s": prompts.shape[0] * new / took}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=1024)
+    parser.add_argument("--engines", default="ours,engine,hf_static")
+    parser.add_argument("--smoke", action="store_true", help="a tiny fp32 run (CPU)")
+    parser.add_argument("--out", default=None, help="also write the JSON line here")
+    args = parser.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.vocab = 2, 256, 1000
+        args.batches, args.prompt, args.new = "2,4", 16, 8
+    precision = "bfloat16" if DEVICE == "cuda" else "float32"
+    dtype = getattr(torch, precision)
+    folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
+    engines = args.engines.split(",")
+    runs = {"ours": bench_ours, "engine": bench_engine, "hf_static": bench_hf_static}
+    shape = {k: getattr(args, k) for k in ("layers", "hidden", "vocab", "prompt", "new")}
+    row: dict[str, object] = {"bench": "generation", "device": DEVICE, "shape": shape}
+    row["params"] = n_params
+    for batch in (int(b) for b in args.batches.split(",")):
+        g = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt), generator=g)
+        results = {}
+        for name in engines:
+            kind = precision if name == "ours" else dtype
+            results[name] = runs[name](folder, prompts, args.new, kind)
+            free()  # the engine's model went with its function
+            print(f"batch {batch} {name}: {results[name]}", file=sys.stderr, flush=True)
+        if "ours" in results:
+            for other in set(results) - {"ours"}:
+                ratio = results["ours"]["tokens_per_s"] / results[other]["tokens_per_s"]
+                results[f"ours_vs_{other}"] = ratio
+        row[f"batch_{batch}"] = results
+    emit(row, args.out)
+
+
+if __name__ == "__main__":
+    main()

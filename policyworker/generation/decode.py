@@ -1,0 +1,361 @@
+"""Generation in the worker: the model that trains samples the responses, with no weight
+conversion and no refit, so its logprobs are the training forward's (`ops.sampling`).
+
+Our own decode loop over our layer spec, not megatron's inference engines: the dynamic engine
+needs flash-attn (not available here), and the static one caches keys before RoPE, which in our
+model is applied inside the core attention (`model.kv_cache` says how the cache lives there).
+Each step is one forward through megatron's pipeline schedule (forward only, one micro-batch:
+the whole batch), so TP and PP work as in `get_logprobs`; the last stage gathers the step's
+logits over TP, draws the tokens and broadcasts them to the other stages. Rows finish at
+different steps (a stop token, a stop string, `max_new_tokens`, the context's end) and keep
+their slot, fed padding, until every row is done. Sequence parallelism is switched off for the
+call (megatron's `set_model_to_sequence_parallel`): one token per row cannot be split over TP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.utils import set_model_to_sequence_parallel
+from megatron.core.utils import get_model_config, unwrap_model
+
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import ROUTES, validate_batch
+from policyworker.generation.graphs import GraphedStep
+from policyworker.model.build import output_head
+from policyworker.model.kv_cache import KVCache, Step, attached
+from policyworker.model.replay import Replay
+from policyworker.ops.logprobs import Head
+from policyworker.ops.sampling import Sampling, next_tokens
+from policyworker.parallel.dims import Groups, broadcast_from_last_stage
+
+STOP_STRINGS = "stop_strings"  # the batch's optional per-row column (NeMo-RL's)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stops:
+    """When a row ends: after one of `token_ids`, or once its response's text contains one of
+    `strings` (with a row's own extra strings), decoded by `decode`."""
+
+    token_ids: tuple[int, ...]
+    strings: tuple[str, ...] = ()
+    per_row: tuple[tuple[str, ...], ...] | None = None
+    decode: Callable[[list[int]], str] | None = None
+
+    def by_text(self, row: int) -> tuple[str, ...]:
+        return self.strings + (self.per_row[row] if self.per_row else ())
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Routes:
+    """An MoE model's routers, whose choices a generation records (`routed_experts`)."""
+
+    replay: Replay
+    num_layers: int
+    topk: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decoder:
+    """What generation runs on: the model, this rank's groups, the vocabulary and context."""
+
+    model: torch.nn.Module
+    groups: Groups
+    device: torch.device
+    vocab_size: int
+    max_seq_len: int
+    pad_id: int
+    routes: Routes | None = None
+    graphs: bool = False
+    """Decode steps as CUDA graph replays (`generation.graphs`): a whole model on one GPU."""
+
+    def check(self, data: BatchedDataDict, stops: Stops) -> None:
+        """A generation batch: right-padded prompts with room for a new token; stop strings
+        only with a tokenizer (`ValueError` naming the field)."""
+        validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        longest = int(data["input_lengths"].max())
+        if longest >= self.max_seq_len:
+            raise ValueError(
+                f"input_lengths: a prompt of {longest} tokens leaves no room to generate under "
+                f"max_total_sequence_length={self.max_seq_len}"
+            )
+        rows = data.get(STOP_STRINGS)
+        if rows is not None and (
+            not isinstance(rows, list)
+            or len(rows) != data["input_ids"].shape[0]
+            or not all(r is None or all(isinstance(s, str) and s for s in r) for r in rows)
+        ):
+            raise ValueError(f"{STOP_STRINGS}: expected one list of strings (or None) per row")
+        if (stops.strings or rows) and stops.decode is None:
+            raise ValueError("stop_strings: need the worker's tokenizer (pass tokenizer=)")
+        config = get_model_config(self.model)
+        if self.routes is not None and config.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "generate: an MoE model under tensor parallelism (its expert layers need "
+                "sequence parallelism) is not supported"
+            )
+
+    def generate(
+        self, data: BatchedDataDict, how: Sampling, stops: Stops, *, max_new_tokens: int, seed: int
+    ) -> BatchedDataDict:
+        """The reference's generation keys for right-padded prompts: `output_ids` [B, W]
+        (prompt, response, then padding), `logprobs` [B, W] (0 on the prompt), lengths,
+        `truncated`; an MoE model's `routed_experts` [B, W, L, K] too."""
+        lengths = data["input_lengths"].to(torch.long).cpu()
+        width = int(lengths.max())
+        ids = data["input_ids"][:, :width].to(self.device)
+        limits = torch.clamp(self.max_seq_len - lengths, max=max_new_tokens)  # >= 1 (check)
+        capacity = int((lengths + limits).max())
+        run = _Run(self, ids, lengths, limits, how, stops, seed)
+        self.model.eval()
+        cache = KVCache(ids.shape[0], capacity)
+        try:
+            with torch.no_grad(), _no_sequence_parallel(self.model), attached(self.model, cache):
+                run.loop(cache)
+        finally:
+            if self.routes is not None:
+                self.routes.replay.reset()
+        return run.result(data["input_ids"].shape[1])
+
+    def forward(
+        self, ids: torch.Tensor, step: Step, pick: torch.Tensor, padding: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One step through the pipeline: the logits [B, V] (fp32, the whole vocabulary) at
+        positions `pick` [B] of `ids` [B, s] on the last stage; None on the others."""
+        model = self.model
+        extra = {"padding_mask": padding} if self.routes is not None else {}
+        positions = step.starts[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        if self.routes is not None:  # the routers choose, and record what they chose
+            self.routes.replay.begin(None, None, training=False)
+
+        def forward_step(data_iterator: Iterator[None], model: torch.nn.Module) -> Any:
+            next(data_iterator)
+            out = model(ids, positions, None, output_processor=output_head, **extra)
+
+            def loss_func(head: Head) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                logits = self._logits(head, pick)
+                return logits.new_zeros(()), torch.ones((), dtype=torch.int), {"logits": logits}
+
+            return out, loss_func
+
+        stores = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=ids.shape[1],
+            micro_batch_size=ids.shape[0],
+            forward_only=True,
+        )
+        return stores[0]["logits"] if stores else None
+
+    def forward_local(
+        self, ids: torch.Tensor, starts: torch.Tensor, pick: torch.Tensor
+    ) -> torch.Tensor:
+        """`forward` of a model whole on this rank, without the pipeline schedule (what a CUDA
+        graph captures); the model's parameters must be current (no pending gathers)."""
+        positions = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        head = unwrap_model(self.model)(ids, positions, None, output_processor=output_head)
+        return self._logits(head, pick)
+
+    def _logits(self, head: Head, pick: torch.Tensor) -> torch.Tensor:
+        """The picked rows' logits, gathered over TP, without the vocabulary's padding."""
+        hidden = head.hidden[torch.arange(head.hidden.shape[0], device=pick.device), pick]
+        assert head.weight is not None
+        local = (hidden @ head.weight.T).float()  # [B, V/tp]
+        tp = self.groups.tp
+        if tp is not None and dist.get_world_size(tp) > 1:
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp))]
+            dist.all_gather(parts, local.contiguous(), group=tp)
+            local = torch.cat(parts, dim=-1)
+        return local[:, : self.vocab_size]
+
+
+class _Run:
+    """One generate call's state: what each row drew, and which rows are done."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        limits: torch.Tensor,
+        how: Sampling,
+        stops: Stops,
+        seed: int,
+    ) -> None:
+        self.d, self.ids, self.how, self.stops = decoder, ids, how, stops
+        self.lengths, self.limits = lengths, limits
+        self.generator = torch.Generator(device=decoder.device).manual_seed(seed)
+        self.tokens: list[torch.Tensor] = []  # per step [B] on CPU
+        self.logprobs: list[torch.Tensor] = []
+        self.counts = torch.zeros_like(lengths)  # tokens drawn per row
+        self.done = torch.zeros(len(lengths), dtype=torch.bool)
+        self.stopped = torch.zeros_like(self.done)  # by a stop token or string
+        self.route_rows: torch.Tensor | None = None
+
+    def loop(self, cache: KVCache) -> None:
+        d, b, width = self.d, self.ids.shape[0], self.ids.shape[1]
+        device = d.device
+        lengths = self.lengths.to(device)
+        starts = torch.zeros(b, dtype=torch.long, device=device)
+        cache.step = Step(starts=starts, keys_used=width, prefill=True)
+        padding = torch.arange(width, device=device)[None, :] >= lengths[:, None]
+        logits = d.forward(self.ids, cache.step, lengths - 1, padding)
+        self._record_routes(cache, (b, width))
+        self._advance(logits)
+        if d.graphs:
+            self._decode_graphed(cache, lengths)
+            return
+        step = 1
+        while self._any_active():
+            feed = self.tokens[-1].to(device)[:, None]
+            starts = torch.clamp(lengths + step - 1, max=cache.capacity - 1)
+            cache.step = Step(starts=starts, keys_used=cache.reach(width + step), prefill=False)
+            done = self.done.to(device)[:, None]  # a done row's token is padding
+            logits = d.forward(feed, cache.step, torch.zeros_like(starts), done)
+            self._record_routes(cache, (b, 1))
+            self._advance(logits)
+            step += 1
+
+    def _decode_graphed(self, cache: KVCache, lengths: torch.Tensor) -> None:
+        """The decode steps as replays of one CUDA graph (`generation.graphs`)."""
+        d, device = self.d, self.d.device
+        feed = torch.zeros(len(lengths), 1, dtype=torch.long, device=device)
+        cache.step = Step(starts=lengths - 1, keys_used=cache.capacity, prefill=False)
+        pick = torch.zeros_like(lengths)
+        graph: GraphedStep | None = None
+        step = 1
+        while self._any_active():
+            feed.copy_(self.tokens[-1][:, None], non_blocking=True)
+            torch.clamp(lengths + step - 1, max=cache.capacity - 1, out=cache.step.starts)
+            if graph is None:  # captured at the first step (its warm-up writes the same keys)
+                graph = GraphedStep(lambda: d.forward_local(feed, cache.step.starts, pick))
+            self._advance(graph.replay())
+            step += 1
+
+    def _advance(self, logits: torch.Tensor | None) -> None:
+        """Draw (last stage), share with every stage, update which rows are done."""
+        b = self.ids.shape[0]
+        drawn = torch.zeros(3, b, dtype=torch.float64)
+        if logits is not None:
+            tokens, logprobs = next_tokens(logits, self.how, self.generator)
+            tokens = torch.where(self.done.to(tokens.device), self.d.pad_id, tokens)
+            drawn[0], drawn[1] = tokens.cpu().double(), logprobs.cpu().double()
+            drawn[2] = self._stops_now(tokens.cpu()).double()
+        drawn = broadcast_from_last_stage(drawn, self.d.groups, device=self.d.device)
+        tokens, logprobs, stop = drawn[0].long(), drawn[1].float(), drawn[2].bool()
+        active = ~self.done
+        self.tokens.append(tokens)
+        self.logprobs.append(torch.where(active, logprobs, 0.0))
+        self.counts += active.long()
+        self.stopped |= active & stop
+        self.done |= self.stopped | (self.counts >= self.limits)
+
+    def _stops_now(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the row's new token ends it (a stop token, or a stop string now in its
+        decoded response)."""
+        stops = self.stops
+        hit = torch.isin(tokens, torch.tensor(stops.token_ids, dtype=torch.long))
+        if stops.decode is None:
+            return hit
+        history = torch.stack([*self.tokens, tokens], dim=1) if self.tokens else tokens[:, None]
+        for row in range(len(tokens)):
+            words = stops.by_text(row)
+            if words and not self.done[row] and not hit[row]:
+                n = int(self.counts[row]) + 1
+                text = stops.decode(history[row, -n:].tolist())
+                hit[row] = any(w in text for w in words)
+        return hit
+
+    def _any_active(self) -> bool:
+        flag = (~self.done).any().to(torch.int64).reshape(1).to(self.d.device)
+        # an expert-parallel forward exchanges tokens with every EP rank: step together
+        if self.d.routes is not None and self.d.groups.ep_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.d.groups.dp)
+        return bool(flag.item())
+
+    def _record_routes(self, cache: KVCache, shape: tuple[int, int]) -> None:
+        routes = self.d.routes
+        if routes is None:
+            return
+        used = routes.replay.recorded(shape, routes.num_layers, routes.topk).cpu()
+        routes.replay.end_forward()
+        if self.route_rows is None:
+            b = shape[0]
+            self.route_rows = torch.full((b, cache.capacity, *used.shape[2:]), -1, dtype=torch.long)
+        assert cache.step is not None
+        starts = cache.step.starts.cpu()
+        for j in range(shape[1]):
+            self.route_rows[torch.arange(shape[0]), starts + j] = used[:, j]
+
+    def result(self, prompt_width: int) -> BatchedDataDict:
+        """The reference's generation keys (`Decoder.generate`)."""
+        b = self.ids.shape[0]
+        drawn = torch.stack(self.tokens, dim=1)  # [B, steps]
+        lps = torch.stack(self.logprobs, dim=1)
+        width = prompt_width + int(self.counts.max())
+        out_ids = torch.full((b, width), self.d.pad_id, dtype=torch.long)
+        out_lp = torch.zeros(b, width)
+        prompt = self.ids.cpu()
+        for row in range(b):
+            n, m = int(self.lengths[row]), int(self.counts[row])
+            out_ids[row, :n] = prompt[row, :n]
+            out_ids[row, n : n + m] = drawn[row, :m]
+            out_lp[row, n : n + m] = lps[row, :m]
+        out = BatchedDataDict(
+            {
+                "output_ids": out_ids,
+                "logprobs": out_lp,
+                "generation_lengths": self.counts.clone(),
+                "unpadded_sequence_lengths": self.lengths + self.counts,
+                "truncated": ~self.stopped,
+            }
+        )
+        if self.route_rows is not None:
+            out[ROUTES] = self._routes(width)
+        return out
+
+    def _routes(self, width: int) -> torch.Tensor:
+        """[B, W, L, K]: -1 past each row's end and at its last token (never fed, so never
+        routed; no logprob of the sequence depends on it), merged over pipeline stages."""
+        assert self.route_rows is not None
+        rows = self.route_rows[:, :width]
+        if rows.shape[1] < width:
+            pad = torch.full((rows.shape[0], width - rows.shape[1], *rows.shape[2:]), -1)
+            rows = torch.cat([rows, pad], dim=1)
+        ends = (self.lengths + self.counts - 1)[:, None]
+        rows = rows.masked_fill((torch.arange(width)[None, :] >= ends)[..., None, None], -1)
+        pp = self.d.groups.pp
+        if pp is not None and dist.get_world_size(pp) > 1:
+            merged = rows.to(self.d.device)
+            dist.all_reduce(merged, op=dist.ReduceOp.MAX, group=pp)
+            rows = merged.cpu()
+        return rows
+
+
+@contextlib.contextmanager
+def _no_sequence_parallel(model: torch.nn.Module) -> Iterator[None]:
+    """Sequence parallelism off for a generate call, back on after (megatron's toggle)."""
+    config = get_model_config(model)
+    if not config.sequence_parallel:
+        yield
+        return
+    core = unwrap_model(model)  # megatron's toggle walks the GPTModel itself
+    set_model_to_sequence_parallel(core, False)
+    try:
+        yield
+    finally:
+        set_model_to_sequence_parallel(core, True)
+
+
+def stop_rows(data: BatchedDataDict) -> tuple[tuple[str, ...], ...] | None:
+    """The batch's per-row stop strings, as tuples (None: no column)."""
+    rows: Sequence[Sequence[str] | None] | None = data.get(STOP_STRINGS)
+    return None if rows is None else tuple(tuple(r or ()) for r in rows)

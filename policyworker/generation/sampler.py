@@ -1,0 +1,62 @@
+"""The worker's `generate`: its settings (`GenerationConfig`, the policy's temperature), stop
+rules from the tokenizer and the batch, and a seed per call; the loop is `decode.Decoder`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from policyworker.config import GenerationConfig
+from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.generation.decode import Decoder, Stops, stop_rows
+from policyworker.ops.sampling import Sampling
+
+
+class Sampler:
+    """Generation settings over a `Decoder`; each call without a seed takes the next one
+    (`seed`, `seed + 1`, ...), so a worker built alike draws alike."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        settings: GenerationConfig,
+        *,
+        temperature: float,
+        eos_ids: tuple[int, ...],
+        tokenizer: Any | None,
+        seed: int,
+    ) -> None:
+        self.decoder, self.settings, self.temperature = decoder, settings, temperature
+        ids = settings.stop_token_ids
+        self.stop_ids = tuple(ids) if ids is not None else eos_ids
+        self.tokenizer = tokenizer
+        self.next_seed = seed
+
+    def check(self, data: BatchedDataDict, seed: int | None) -> Stops:
+        """Validate a call (`ValueError` naming the field); its stop rules."""
+        ok = seed is None or (isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0)
+        if not ok:
+            raise ValueError(f"seed: expected None or an int >= 0, got {seed!r}")
+        tok = self.tokenizer
+        decode = None if tok is None else (lambda ids: tok.decode(ids, skip_special_tokens=False))
+        stops = Stops(
+            token_ids=self.stop_ids,
+            strings=tuple(self.settings.stop_strings or ()),
+            per_row=stop_rows(data),
+            decode=decode,
+        )
+        self.decoder.check(data, stops)
+        return stops
+
+    def generate(
+        self, data: BatchedDataDict, stops: Stops, *, greedy: bool, seed: int | None
+    ) -> BatchedDataDict:
+        if seed is None:
+            seed, self.next_seed = self.next_seed, self.next_seed + 1
+        s = self.settings
+        how = Sampling(temperature=self.temperature, top_k=s.top_k, top_p=s.top_p, greedy=greedy)
+        out = self.decoder.generate(data, how, stops, max_new_tokens=s.max_new_tokens, seed=seed)
+        if self.decoder.device.type == "cuda":
+            torch.cuda.empty_cache()  # the KV cache leaves no reserved memory behind
+        return out

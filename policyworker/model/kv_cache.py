@@ -1,0 +1,150 @@
+"""A KV cache for generation in the worker, kept by our core attention (`SDPACoreAttention`).
+
+megatron's static inference caches keys before RoPE is applied and hands the core attention
+positions it does not have; RoPE here lives in the core attention, so the cache does too: each
+attention layer of this rank gets a `LayerCache` (`attached`), and every forward of the model
+then writes its new keys and values (after RoPE) into the cache at each row's positions and
+attends to the row's cached keys up to each query's position.
+
+Rows are right-padded prompts of different lengths, decoded in lockstep. The prefill runs the
+padded prompts (positions 0..L-1, plainly causal: a row's padding only writes slots that its
+own later tokens overwrite before anything reads them); each decode step then feeds one token
+per row at that row's own position (`Step.starts`) under a mask of keys <= that position.
+Slots are zeros until written, so a masked slot never brings NaN into the attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from policyworker.model.attention import SDPACoreAttention
+
+# Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
+# decode step has a new key length, every prefill a new prompt width. Decode takes the
+# memory-efficient kernel (flash takes no mask); it reads the cache at ~0.5 TB/s on an H200
+# (64-row query tiles for a step's few rows), the math backend was 3.4x slower still.
+_PREFILL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_DECODE = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+KEY_BLOCK = 64
+"""Key lengths a forward attends to are multiples of this: aligned masks, few shapes."""
+
+
+@dataclass(slots=True)
+class Step:
+    """What the next forward feeds: each row's first new position [B] (int64, on the device),
+    how many positions the queries may reach at most (a host int), and whether it is the
+    prefill (every row from position 0)."""
+
+    starts: torch.Tensor
+    keys_used: int
+    prefill: bool
+
+
+class KVCache:
+    """Keys and values of `batch` rows of up to `capacity` positions (rounded up to a multiple
+    of `KEY_BLOCK`), for every attention layer of this rank; layer tensors are made at their
+    first write."""
+
+    def __init__(self, batch: int, capacity: int) -> None:
+        self.batch = batch
+        self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        self.step: Step | None = None
+        self.layers: list[LayerCache] = []
+
+    def layer(self) -> LayerCache:
+        cache = LayerCache(self)
+        self.layers.append(cache)
+        return cache
+
+    def reach(self, positions: int) -> int:
+        """The key length a forward attends to when its queries reach `positions` positions:
+        rounded up to a multiple of `KEY_BLOCK` (masked beyond)."""
+        return min(self.capacity, -(-positions // KEY_BLOCK) * KEY_BLOCK)
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.layers for t in c.tensors())
+
+
+class LayerCache:
+    """One attention layer's keys and values [B, kv_heads, capacity, head_dim]."""
+
+    def __init__(self, owner: KVCache) -> None:
+        self.owner = owner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        rotary: torch.nn.Module,
+        scale: float,
+    ) -> torch.Tensor:
+        """Queries [s, b, np, hn] of the step's new tokens against the cached keys, after
+        writing the new keys/values [s, b, ng, hn]; -> [s, b, np * hn]."""
+        step = self.owner.step
+        assert step is not None, "KVCache: no step set"
+        s, b = query.shape[:2]
+        positions = step.starts[None, :] + torch.arange(s, device=query.device)[:, None]  # [s, b]
+        query, key = rotary(query, positions[..., None]), rotary(key, positions[..., None])
+        if self.keys is None:
+            shape = (b, key.shape[2], self.owner.capacity, key.shape[3])
+            self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
+        assert self.values is not None
+        rows = torch.arange(b, device=query.device)[None, :].expand(s, b)
+        self.keys[rows, :, positions] = key  # advanced indices first: [s, b, ng, hn]
+        self.values[rows, :, positions] = value
+        n = step.keys_used
+        k, v = self.keys[:, :, :n], self.values[:, :, :n]
+        q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
+        if step.prefill:  # every row from 0: plainly causal
+            with sdpa_kernel(_PREFILL, set_priority=True):
+                gqa = q.shape[1] != k.shape[1]
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+                )
+        else:
+            with sdpa_kernel(_DECODE, set_priority=True):
+                out = _masked_grouped(q, k, v, positions, scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def _masked_grouped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [b, np, s, hn] against k/v [b, ng, n, hn], each query reaching the keys up to its
+    position ([s, b]). The query heads sharing a key head (megatron's and SDPA's grouping:
+    head j reads key head j // (np / ng)) become extra query rows of that key head, so no
+    repeated copy of the keys is made (a decode step would otherwise copy the whole cache)."""
+    b, heads, s, hn = q.shape
+    groups, n = k.shape[1], k.shape[2]
+    rep = heads // groups
+    reach = torch.arange(n, device=q.device)[None, None, :] <= positions.T[:, :, None]  # [b,s,n]
+    mask = reach[:, None, None].expand(b, 1, rep, s, n).reshape(b, 1, rep * s, n)
+    grouped = q.reshape(b, groups, rep * s, hn)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, s, hn)
+
+
+@contextlib.contextmanager
+def attached(model: torch.nn.Module, cache: KVCache) -> Iterator[KVCache]:
+    """Every core attention of `model` keeps its keys and values in `cache` until exit."""
+    cores = [m for m in model.modules() if isinstance(m, SDPACoreAttention)]
+    for core in cores:
+        core.kv_cache = cache.layer()
+    try:
+        yield cache
+    finally:
+        for core in cores:
+            core.kv_cache = None
+        cache.layers.clear()

@@ -1,0 +1,67 @@
+"""Drawing the next token from full-vocabulary logits [B, V], and the logprob reported for it.
+
+The draw: logits / temperature, restricted to the `top_k` most likely tokens and to the
+smallest set whose probability reaches `top_p` (renormalized), then one multinomial draw per
+row from a seeded generator (`greedy`: the most likely token, no draw).
+
+The reported logprob is the token's log-softmax of logits / temperature over the whole
+vocabulary — what `get_logprobs` and every loss compute — not of the filtered distribution it
+was drawn from: the generation logprobs of a response equal its `get_logprobs`, and with
+top-k/top-p they are lower than the drawing distribution's by the log of the mass kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sampling:
+    """How one generation call draws tokens."""
+
+    temperature: float
+    top_k: int | None = None
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+def restrict(scaled: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    """`scaled` [B, V] with -inf outside each row's top-k and top-p sets (ties at the k-th value
+    are kept; the top-p set always holds the most likely token)."""
+    out = scaled
+    if top_k is not None and top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # the mass of the more likely tokens
+        drop = before >= top_p
+        out = out.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return out
+
+
+def next_tokens(
+    logits: torch.Tensor, how: Sampling, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B] int64, its logprob [B] fp32) from one step's logits [B, V]."""
+    scaled = logits.float() / how.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    if how.greedy:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def pad_token(hf_config: Any, tokenizer: Any | None) -> int:
+    """The id generated rows are padded with: the tokenizer's pad token, else the model
+    config's, else 0."""
+    pad = None if tokenizer is None else tokenizer.pad_token_id
+    if pad is None:
+        pad = getattr(hf_config, "pad_token_id", None)
+    return 0 if pad is None else int(pad)
