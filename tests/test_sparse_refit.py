@@ -305,6 +305,63 @@ def test_a_dead_receiver_fails_the_trainer_in_time(llama_dir):
         leaf.close()
 
 
+def test_a_trainer_killed_mid_transfer_leaves_every_engine_on_its_version(llama_dir, tmp_path):
+    """A trainer process killed (SIGKILL) after its first payload reached the relay tree, before
+    DONE: both engines end the refit at their deadline with nothing applied, no process or socket
+    of it left; the next refit from a live trainer applies exactly."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from helpers import clean_env
+
+    worker, info = _setup(llama_dir, 1e-3)  # the live trainer of the next refit
+    engines = [GenerationProcess(str(llama_dir), info) for _ in range(2)]
+    try:
+        targets = [e.bind_sparse() for e in engines]
+        before = engines[1].weights()
+        script = Path(__file__).parent / "sparse_trainer.py"
+        argv = [sys.executable, str(script), str(llama_dir), json.dumps(targets), str(tmp_path)]
+        proc = subprocess.Popen(argv, env=clean_env(), stderr=subprocess.PIPE)
+
+        def wait_for(name: str) -> None:
+            deadline = time.monotonic() + 120
+            while not (tmp_path / name).exists() and proc.poll() is None:
+                assert time.monotonic() < deadline, name
+                time.sleep(0.05)
+            assert (tmp_path / name).exists(), proc.stderr.read().decode()[-2000:]
+
+        wait_for("ready")
+        for e in engines:
+            e.begin_refit_sparse("killed", 1, timeout_s=3.0)
+        (tmp_path / "go").touch()
+        wait_for("sent")
+        proc.kill()
+        proc.wait(timeout=10)
+        start = time.monotonic()
+        for e in engines:
+            with pytest.raises(RefitError, match="incomplete"):
+                e.end_refit()
+        assert time.monotonic() - start < 10  # the receivers' deadline, not a hang
+        for e in engines:
+            after = e.weights()
+            assert all(torch.equal(before[n], after[n]) for n in before)
+        worker.train(make_batch(batch=4, seq=12), NLLLoss())
+        for e in engines:
+            e.begin_refit_sparse("next", 1)
+        _stream(worker, targets, "next")
+        assert [e.end_refit() for e in engines] == [1, 1]
+        worker.finish_remote_sparse_delta_sync(succeeded=True)
+        sent = dict(worker.export_hf_weights())
+        for e in engines:
+            got = e.weights()
+            assert all(torch.equal(got[n], sent[n]) for n in sent)
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_refit_check_runs_the_sparse_transport(llama_dir):
     """`refit-check --transport sparse`: two trainer ranks (TP2, both producers) train a step
     before each refit; the engine ends bitwise equal, and the line reports the sparsity."""
