@@ -8,12 +8,13 @@ after each step one sparse refit goes over loopback TCP into generation processe
             trainer's export alone;
 * ours:     `stream_remote_sparse_weights` (the bytes leaving the trainer, once however many
             engines: they relay; changed fraction; the trainer's export + compare + encode; end
-            to end into 2 engines, each applying whole versions); every engine's weights checked
-            bitwise against the trainer's export.
+            to end into `--receivers` engines, each applying whole versions); every engine's
+            weights checked bitwise against the trainer's export.
 
-Prints one JSON line per (model, lr).
+Prints one JSON line per (model, lr, receivers).
 
     python benchmarks/sparse_refit_bench.py [--sizes 1b] [--lrs 1e-6,3e-6] [--steps 3]
+        [--receivers 2]   (a list, e.g. 1,2,4: one run each)
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from train_bench import DEVICE, emit, free, full_rows, random_model, sync
 
 SIZES = {  # layers, hidden, vocab (intermediate 4 x hidden, GQA 32/8 heads; see train_bench)
     "1b": (16, 2048, 128256),
+    "small": (4, 1024, 32000),  # 0.1B: loopback timings on a CPU
     "tiny": (2, 256, 1000),  # a CPU smoke run of the script
 }
 
@@ -49,7 +51,7 @@ def trainer_seconds(worker, baseline: dict[str, torch.Tensor]) -> tuple[float, f
     return export, time.perf_counter() - t, len(body)
 
 
-def bench(size: str, lr: float, steps: int) -> dict[str, object]:
+def bench(size: str, lr: float, steps: int, receivers: int) -> dict[str, object]:
     from policyworker import MegatronPolicyWorker, NLLLoss, PolicyConfig
     from policyworker.config import OptimizerConfig
     from policyworker.generation.process import GenerationProcess, tensor_sums
@@ -68,7 +70,7 @@ def bench(size: str, lr: float, steps: int) -> dict[str, object]:
     g = torch.Generator().manual_seed(0)
     rows: dict[str, list] = {k: [] for k in ("changed", "wire", "export_s", "encode_s", "e2e_s")}
     exact = True
-    engines = [GenerationProcess(str(folder), info, timeout_s=600) for _ in range(2)]
+    engines = [GenerationProcess(str(folder), info, timeout_s=600) for _ in range(receivers)]
     try:
         targets = [e.bind_sparse() for e in engines]
         for step in range(steps):
@@ -111,7 +113,8 @@ def bench(size: str, lr: float, steps: int) -> dict[str, object]:
         "baseline_vs_ours_bytes": full / wire,
         "export_s": statistics.median(rows["export_s"]),
         "export_compare_encode_s": statistics.median(rows["encode_s"]),
-        "end_to_end_two_engines_s": rows["e2e_s"],
+        "receivers": receivers,
+        "end_to_end_s": rows["e2e_s"],
         "engines_exact": exact,
     }
 
@@ -121,14 +124,16 @@ def main() -> None:
     parser.add_argument("--sizes", default="1b")
     parser.add_argument("--lrs", default="1e-6,3e-6")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--receivers", default="2", help="engines per run: one run per count")
     parser.add_argument("--out", default=None, help="also write the JSON lines here")
     args = parser.parse_args()
     lines = []
     for size in args.sizes.split(","):
         for lr in (float(x) for x in args.lrs.split(",")):
-            row = bench(size, lr, args.steps)
-            emit(row, None)
-            lines.append(row)
+            for receivers in (int(x) for x in args.receivers.split(",")):
+                row = bench(size, lr, args.steps, receivers)
+                emit(row, None)
+                lines.append(row)
             if args.out:
                 import json
 

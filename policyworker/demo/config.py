@@ -99,6 +99,11 @@ class DemoConfig:
     """Who samples the responses: our transformers engine in its own process, refitted from
     the workers over IPC every GRPO step, or the workers themselves (`Policy.generate`: the
     model that trains, a KV cache, no refit)."""
+    refit: Literal["ipc", "sparse"] = "ipc"
+    """How the transformers engine gets the weights before each GRPO step: every byte over
+    IPC, or only the changed elements through the sparse-delta transport over TCP (rows add
+    `refit_changed_fraction`, `refit_wire_bytes`, `refit_full_bytes`; with precision=bfloat16
+    most elements of a small step do not change)."""
     workers: int = 1
     """Worker processes (data parallel), started and driven by `policyworker.Policy`."""
     backend: Literal["local", "ray"] = "local"
@@ -122,6 +127,12 @@ class DemoConfig:
             check(getattr(self, name) >= 0, name, ">= 0")
         check(self.backend in ("local", "ray"), "backend", "'local' or 'ray'")
         check(self.engine in ("transformers", "megatron"), "engine", "'transformers' or 'megatron'")
+        check(self.refit in ("ipc", "sparse"), "refit", "'ipc' or 'sparse'")
+        check(
+            self.refit == "ipc" or self.engine == "transformers",
+            "refit",
+            "'ipc' with engine=megatron (nothing to refit)",
+        )
         for name in (
             "sft_batch",
             "prompts_per_step",

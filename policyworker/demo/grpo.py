@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.demo.config import DemoConfig, DemoInputs, load_inputs
+from policyworker.demo.refits import IpcRefit, SparseRefit
 from policyworker.demo.resume import step_folder
 from policyworker.demo.task import (
     Example,
@@ -34,7 +35,7 @@ from policyworker.demo.task import (
     reward,
     tiny_llama_config,
 )
-from policyworker.driver.policy import Policy, rank_flags
+from policyworker.driver.policy import Policy
 from policyworker.generation.engine import Samples, encode_prompt
 from policyworker.generation.process import GenerationProcess
 from policyworker.losses import ClippedPGLoss, NLLLoss
@@ -128,9 +129,9 @@ class Run:
         if resume is not None:  # the loop's own state: data order, rows so far
             self.start_step = resume.loop["step"]
             self.rng.setstate(_rng_state(resume.loop["rng"]))
-        # The sampler: a transformers engine in its own process, refitted over IPC; or none
-        # (engine=megatron: the workers sample).
-        self.sampler = None
+        # The sampler: a transformers engine in its own process, refitted before every GRPO
+        # step (over IPC, or sparse deltas over TCP); or none (engine=megatron: the workers).
+        self.sampler, self.refit = None, None
         if cfg.engine == "transformers":
             self.sampler = GenerationProcess(
                 str(model_dir),
@@ -138,6 +139,8 @@ class Run:
                 tokenizer=self.tokenizer,
                 device=str(self.policy.device),
             )
+            kind = SparseRefit if cfg.refit == "sparse" else IpcRefit
+            self.refit = kind(self.policy, self.sampler)
         # Rewritten whole: the rows before the resumed step come from its loop state.
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []
@@ -203,9 +206,9 @@ class Run:
         seed = cfg.seed * 100_003 + step
         prompts = [e.prompt for e in examples]
         if self.sampler is None:
-            samples, refit_s, version = self.generate(prompts, seed), None, None
+            samples, refit = self.generate(prompts, seed), {"refit_s": None, "weight_version": None}
         else:
-            samples, refit_s, version = self.refit_and_sample(prompts, seed)
+            samples, refit = self.refit_and_sample(prompts, seed, step)
         answers = [e.answer for e in examples for _ in range(cfg.group_size)]
         rewards = [reward(t, a) for t, a in zip(samples.texts, answers, strict=True)]
         advantages = group_advantages(
@@ -236,24 +239,14 @@ class Run:
             "phase": "grpo",
             "engine": cfg.engine,
             "reward_mean": statistics.fmean(rewards),
-            "refit_s": refit_s,
-            "weight_version": version,
+            **refit,
             **{k: m[k] for k in keep if k in m},
         }
 
-    def refit_and_sample(self, prompts: list[str], seed: int) -> tuple[Samples, float, int]:
-        """The transformers engine's samples after a refit: (samples, refit seconds, the
-        version it applied). The colocated order: the trainer's device memory is freed around
-        the weight hand-over and the sampling."""
-        assert self.sampler is not None
-        self.policy.offload_before_refit()
-        start = time.perf_counter()
-        # Rank 0 streams to the one sampler; the other ranks take part in the gathers only.
-        self.sampler.begin_refit_ipc(self.policy.get_zmq_address()[0])
-        self.policy.stream_weights_via_ipc_zmq(send=rank_flags(self.policy.world_size, [0]))
-        version = self.sampler.end_refit()
-        refit_s = time.perf_counter() - start
-        self.policy.offload_after_refit()
+    def refit_and_sample(self, prompts: list[str], seed: int, step: int) -> tuple[Samples, dict]:
+        """The transformers engine's samples after a refit, and the refit's metrics."""
+        assert self.sampler is not None and self.refit is not None
+        refit = self.refit(step)
         samples = self.sampler.sample(
             prompts,
             n=self.cfg.group_size,
@@ -261,7 +254,7 @@ class Run:
             temperature=self.cfg.temperature,
             seed=seed,
         )
-        return samples, refit_s, version
+        return samples, refit
 
     def generate(self, prompts: list[str], seed: int) -> Samples:
         """The workers' own samples (`Policy.generate`, in the inference memory phase)."""
