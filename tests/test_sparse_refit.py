@@ -216,6 +216,62 @@ def test_duplicates_are_applied_once_and_a_missing_payload_applies_nothing():
         receiver.close()
 
 
+def test_the_sender_thread_keeps_order_and_a_refusal_stops_it_in_time(monkeypatch):
+    """One tensor per payload (12 payloads through the bounded pipeline of the sender thread):
+    applied exactly. Then the third payload corrupted: the receiver refuses it, the producer
+    raises in the caller's thread, the sender ends, nothing is applied."""
+    import threading
+
+    import policyworker.refit.sparse as sparse
+
+    g = torch.Generator().manual_seed(0)
+    names = [f"w{i}" for i in range(12)]
+    live = {n: torch.zeros(8, 64, dtype=torch.bfloat16) for n in names}
+    receiver = SparseReceiver(live, {n: ((8, 64), torch.bfloat16) for n in names})
+    source = take_baseline(((n, t.clone()) for n, t in live.items()), Shard(0, 1))
+
+    def refit(transfer: str, new: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        got: dict[str, object] = {}
+
+        def receive() -> None:
+            try:
+                got["version"] = receiver.receive(transfer, 1, timeout_s=5)
+            except RefitError as e:
+                got["error"] = e
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        try:
+            stats = stream(source, iter(new.items()), [receiver.address], transfer_id=transfer,
+                           timeout_s=5, bucket_bytes=1)  # fmt: skip
+        finally:
+            thread.join()
+        return stats, got
+
+    try:
+        new = {n: torch.randn(8, 64, generator=g).bfloat16() for n in names}
+        stats, got = refit("a", new)
+        assert stats["payloads"] == 12 and got == {"version": 1}
+        assert all(torch.equal(live[n], new[n]) for n in names)
+        sparse.finish(source, succeeded=True)
+        real, calls = sparse.encode, []
+
+        def corrupt_third(deltas):
+            body, crc = real(deltas)
+            calls.append(1)
+            return body, crc ^ (len(calls) == 3)
+
+        monkeypatch.setattr(sparse, "encode", corrupt_third)
+        newer = {n: t + 1 for n, t in new.items()}
+        with pytest.raises(RefitError, match="checksum"):
+            refit("b", newer)
+        assert len(calls) == 3  # the payloads queued after it were not sent
+        assert all(torch.equal(live[n], new[n]) for n in names)
+        assert not any(t.name == "sparse-refit-send" for t in threading.enumerate())
+    finally:
+        receiver.close()
+
+
 def test_two_producers_each_send_their_share(llama_dir):
     """Ownership: tensor i belongs to producer i % 2; two producers' transfers complete one
     version together, and each tensor crossed once."""

@@ -7,9 +7,10 @@ baseline (the HF export's bits when the baseline was taken, CPU) and compares, e
 sends it. Every rank still takes part in the export's TP gathers and PP broadcasts.
 
 One refit (`stream`): the export, tensor by tensor; each owned tensor's delta against its
-baseline, coalesced into payloads of up to `bucket_bytes` (raw), each compressed and sent once, to
-the first receiver, which acknowledges it once it — and, down the relay tree, every other
-receiver — has verified and staged it; then a DONE with the
+baseline, coalesced into payloads of up to `bucket_bytes` (raw), each compressed and sent once —
+by a sender thread while the next tensors are compared (a bounded pipeline) — to the first
+receiver, which acknowledges it once it — and, down the relay tree, every other receiver — has
+verified and staged it; then a DONE with the
 payload count. The deltas are kept as pending: `finish(succeeded=True)` — called once every
 receiver has applied the version — writes them into the baseline; `finish(False)` drops them,
 so the next refit sends again what this one carried (the baseline is never ahead of a receiver).
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,7 @@ from policyworker.refit.sparse_link import Link
 
 TRANSPORTS = ("zmq", "vllm_zmq_sparse")
 BUCKET_BYTES = 64 << 20
+PIPELINE = 2  # full payloads waiting for the sender thread, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,28 +163,33 @@ def stream(
                 out.add(whole(d, t) if full else d, t.numel())
         out.finish()
     finally:
+        out.close()
         out.link.close()
     source.pending = pending
     return out.stats
 
 
 class _Payloads:
-    """Deltas coalesced into payloads of up to `bucket_bytes` (raw), each sent as it fills."""
+    """Deltas coalesced into payloads of up to `bucket_bytes` (raw). A sender thread compresses
+    and sends each full payload while the caller goes on comparing the next tensors (zlib and
+    torch release the GIL); at most `PIPELINE` payloads wait for it, so memory stays bounded.
+    The link is used by the sender thread alone until it has ended (`finish`, `close`)."""
 
     def __init__(
         self, link: Link, meta: dict[str, Any], timeout_s: float, bucket_bytes: int
     ) -> None:
-        self.link, self.meta, self.timeout_s, self.bucket_bytes = (
-            link,
-            meta,
-            timeout_s,
-            bucket_bytes,
-        )
+        self.link, self.meta, self.timeout_s = link, meta, timeout_s
+        self.bucket_bytes = bucket_bytes
         self.bucket: list[TensorDelta] = []
         self.bucket_size = 0  # raw bytes of `bucket`
         self.stats = dict.fromkeys(
             ("payloads", "wire_bytes", "changed_elements", "total_elements"), 0
         )
+        self.queued = 0  # payload ids handed to the sender
+        self.error: BaseException | None = None
+        self.waiting: queue.Queue[tuple[int, list[TensorDelta]] | None] = queue.Queue(PIPELINE)
+        self.sender = threading.Thread(target=self._send_all, name="sparse-refit-send")
+        self.sender.start()
 
     def add(self, d: TensorDelta, elements: int) -> None:
         self.stats["changed_elements"] += d.changed
@@ -188,24 +197,47 @@ class _Payloads:
         self.bucket.append(d)
         self.bucket_size += d.nbytes
         if self.bucket_size >= self.bucket_bytes:
-            self._send()
+            self._queue()
 
     def finish(self) -> None:
         """The last payload (at least one: a receiver learns the version even if nothing
-        changed), then DONE with the count."""
-        if self.bucket or not self.stats["payloads"]:
-            self._send()
+        changed), then — once every payload was acknowledged — DONE with the count."""
+        if self.bucket or not self.queued:
+            self._queue()
+        self.close()
+        if self.error is not None:
+            raise self.error
         done = self.meta | {"payloads": self.stats["payloads"]}
         self.link.call([b"DONE", json.dumps(done).encode()], self.timeout_s)
 
-    def _send(self) -> None:
-        body, crc = encode(self.bucket)
-        meta = self.meta | {"payload": self.stats["payloads"], "crc": crc}
-        self.link.call([b"DATA", json.dumps(meta).encode(), body], self.timeout_s)
-        self.stats["payloads"] += 1
-        self.stats["wire_bytes"] += len(body)
-        self.bucket.clear()
-        self.bucket_size = 0
+    def close(self) -> None:
+        """Stop the sender after what it was given (idempotent)."""
+        if self.sender.is_alive():
+            self.waiting.put(None)
+            self.sender.join()
+
+    def _queue(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self.waiting.put((self.queued, self.bucket))  # blocks while PIPELINE payloads wait
+        self.queued += 1
+        self.bucket, self.bucket_size = [], 0
+
+    def _send_all(self) -> None:
+        """The sender thread: each payload compressed and sent in order; after an error it only
+        drains the queue (the caller sees the error at its next payload or at `finish`)."""
+        while (item := self.waiting.get()) is not None:
+            if self.error is not None:
+                continue
+            index, deltas = item
+            try:
+                body, crc = encode(deltas)
+                meta = self.meta | {"payload": index, "crc": crc}
+                self.link.call([b"DATA", json.dumps(meta).encode(), body], self.timeout_s)
+                self.stats["payloads"] += 1
+                self.stats["wire_bytes"] += len(body)
+            except BaseException as e:  # re-raised in the caller's thread
+                self.error = e
 
 
 def finish(source: SparseSource, *, succeeded: bool) -> None:
