@@ -259,18 +259,19 @@ class _Run:
         self.done |= self.stopped | (self.counts >= self.limits)
 
     def _stops_now(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[B] bool: the row's new token ends it (a stop token, or a stop string now in its
-        decoded response)."""
+        """[B] bool: the row's new token ends it (a stop token, or a stop string that ends in
+        its decoded response's tail: the last tokens, as many as the longest string has
+        characters and a few more — a string wholly before them would have stopped the row)."""
         stops = self.stops
         hit = torch.isin(tokens, torch.tensor(stops.token_ids, dtype=torch.long))
         if stops.decode is None:
             return hit
-        history = torch.stack([*self.tokens, tokens], dim=1) if self.tokens else tokens[:, None]
         for row in range(len(tokens)):
             words = stops.by_text(row)
             if words and not self.done[row] and not hit[row]:
-                n = int(self.counts[row]) + 1
-                text = stops.decode(history[row, -n:].tolist())
+                tail = min(int(self.counts[row]), max(map(len, words)) + 4)
+                ids = [int(t[row]) for t in self.tokens[len(self.tokens) - tail :]]
+                text = stops.decode([*ids, int(tokens[row])])
                 hit[row] = any(w in text for w in words)
         return hit
 
