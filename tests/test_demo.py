@@ -58,32 +58,6 @@ def test_demo_samples_in_the_workers_with_engine_megatron(tmp_path):
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in grpo)
 
 
-@pytest.mark.processes
-def test_demo_refits_sparse_deltas_and_resumes_with_the_same_rows(tmp_path):
-    """refit=sparse (bf16): each GRPO step's refit reports the changed fraction and the bytes on
-    the wire; resumed in GRPO, the engine (fresh from the HF folder) first gets a full resync and
-    the run writes the uninterrupted run's rows."""
-    args = ["refit=sparse", "precision=bfloat16", *SMALL]
-    full = tmp_path / "full"
-    main(["demo", "--out", str(full), "--save-every", "5", *args])
-    rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
-    grpo = [r for r in rows if r["phase"] == "grpo"]
-    assert [r["weight_version"] for r in grpo] == [1, 2, 3]
-    for r in grpo:
-        assert 0 < r["refit_changed_fraction"] <= 1
-        assert 0 < r["refit_wire_bytes"] < 1.1 * r["refit_full_bytes"]
-    resumed = tmp_path / "resumed"
-    main(["demo", "--out", str(resumed), "--resume", str(full / "checkpoints" / "step_5"), *args])
-
-    def same(out: Path) -> list[dict]:
-        # a refit's own figures differ (the resumed run's first is whole, its engine's versions
-        # restart at 1); what was sampled and trained does not
-        skip = ("refit_", "weight_version")
-        return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in _demo_rows(out)]
-
-    assert same(resumed) == same(full)
-
-
 def _demo_rows(out: Path) -> list[dict]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if k != "refit_s"} for r in rows]  # refit_s: a timing
@@ -92,16 +66,31 @@ def _demo_rows(out: Path) -> list[dict]:
 @pytest.mark.processes
 def test_demo_resumes_with_the_same_rows(tmp_path):
     """Resumed from step_3 (in SFT) and from step_5 (in GRPO), the run writes the rows of an
-    uninterrupted run: weights, optimizer, scheduler, data order and sampler seeds continue."""
-    args = ["sft_steps=4", "grpo_steps=3", "prompts_per_step=4", "group_size=4"]
-    args += ["micro_batch_size=8", "sft_batch=16"]
+    uninterrupted run: weights, optimizer, scheduler, data order and sampler seeds continue.
+    The GRPO resume refits with sparse deltas (refit=sparse): its engine, fresh from the HF
+    folder, first gets a full resync; each refit reports what it sent; only its own figures
+    differ from the IPC run's."""
     full = tmp_path / "full"
-    main(["demo", "--out", str(full), "--save-every", "1", *args])
-    for resume_at in (3, 5):
-        resumed = tmp_path / f"resumed_{resume_at}"
-        step = full / "checkpoints" / f"step_{resume_at}"
-        main(["demo", "--out", str(resumed), "--resume", str(step), *args])
-        assert _demo_rows(resumed) == _demo_rows(full), resume_at
+    main(["demo", "--out", str(full), "--save-every", "1", *SMALL])
+    resumed = tmp_path / "resumed_3"
+    main(["demo", "--out", str(resumed), "--resume", str(full / "checkpoints" / "step_3"), *SMALL])
+    assert _demo_rows(resumed) == _demo_rows(full)
+    sparse = tmp_path / "resumed_5"
+    step = full / "checkpoints" / "step_5"
+    main(["demo", "--out", str(sparse), "--resume", str(step), "refit=sparse", *SMALL])
+
+    def same(rows: list[dict]) -> list[dict]:  # the engine's versions restart at 1 there
+        skip = ("refit_", "weight_version")
+        return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rows]
+
+    assert same(_demo_rows(sparse)) == same(_demo_rows(full))
+    refits = [r for r in _demo_rows(sparse) if r["step"] >= 5]
+    assert [r["weight_version"] for r in refits] == [1, 2]
+    first, second = refits
+    # the resync: nothing changed since the resumed weights (its baseline), all sent whole
+    assert first["refit_changed_fraction"] == 0
+    assert 0.5 * first["refit_full_bytes"] < first["refit_wire_bytes"] < first["refit_full_bytes"]
+    assert 0 < second["refit_changed_fraction"] <= 1 and second["refit_wire_bytes"] > 0
 
 
 def test_group_advantages():
@@ -156,16 +145,24 @@ def test_bad_jsonl_names_the_line(tmp_path):
         load_jsonl(path)
 
 
+TWO_WORKERS = ["sft_steps=3", "grpo_steps=2", "prompts_per_step=4", "group_size=4"]
+TWO_WORKERS += ["micro_batch_size=8", "sft_batch=16"]
+
+
+@pytest.fixture(scope="module")
+def one_worker_rows(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("demo_one")
+    main(["demo", "--out", str(out), *TWO_WORKERS])
+    return _demo_rows(out)
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("backend", ["local", "ray"])
-def test_demo_through_two_workers_matches_one(tmp_path, backend):
+def test_demo_through_two_workers_matches_one(tmp_path, backend, one_worker_rows):
     """workers=2 (data parallel through the driver), local processes or Ray actors: the same SFT
     losses as one worker, and GRPO steps that run (sampling makes later rows diverge)."""
-    args = ["sft_steps=3", "grpo_steps=2", "prompts_per_step=4", "group_size=4"]
-    args += ["micro_batch_size=8", "sft_batch=16"]
-    main(["demo", "--out", str(tmp_path / "one"), *args])
-    main(["demo", "--out", str(tmp_path / "two"), "workers=2", f"backend={backend}", *args])
-    one, two = _demo_rows(tmp_path / "one"), _demo_rows(tmp_path / "two")
+    main(["demo", "--out", str(tmp_path), "workers=2", f"backend={backend}", *TWO_WORKERS])
+    one, two = one_worker_rows, _demo_rows(tmp_path)
     assert [r["phase"] for r in two] == ["sft"] * 3 + ["grpo"] * 2
     for a, b in zip(one[:3], two[:3], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)

@@ -171,7 +171,7 @@ def stream(
 
 class _Payloads:
     """Deltas coalesced into payloads of up to `bucket_bytes` (raw). A sender thread compresses
-    and sends each full payload while the caller goes on comparing the next tensors (zlib and
+    and sends each full payload while the caller goes on comparing the next tensors (zstd and
     torch release the GIL); at most `PIPELINE` payloads wait for it, so memory stays bounded.
     The link is used by the sender thread alone until it has ended (`finish`, `close`)."""
 

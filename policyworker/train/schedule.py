@@ -1,8 +1,9 @@
 """Micro-batched forward (and backward) through megatron's pipeline schedules.
 
-`run_microbatches` is the one place that calls `get_forward_backward_func()`: inference
-(`get_logprobs`, top-k) and training both go through it, so pipeline parallelism slots in
-without a second code path. `train.lifecycle` builds an optimizer step on it.
+`run_microbatches` is where training and every collection (`get_logprobs`, top-k) call
+`get_forward_backward_func()`, so pipeline parallelism slots in without a second code path
+(generation's decode steps call it themselves: one micro-batch of one token per row,
+`generation.decode`). `train.lifecycle` builds an optimizer step on it.
 """
 
 from __future__ import annotations
