@@ -119,10 +119,7 @@ def layout_results(
 
 def generated(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
     """Greedy responses to the rows' first halves, and (one data-parallel rank: the draws
-    follow the rows' order within a call) sampled ones, padded to one width. None for an MoE
-    model under TP (`generate` refuses it)."""
-    if worker.shape.moe is not None and worker.dims.tp > 1:
-        return {}
+    follow the rows' order within a call) sampled ones, padded to one width."""
     prompts = BatchedDataDict(
         {"input_ids": data["input_ids"], "input_lengths": (data["input_lengths"] + 1) // 2}
     )

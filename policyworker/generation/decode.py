@@ -94,12 +94,6 @@ class Decoder:
             raise ValueError(f"{STOP_STRINGS}: expected one list of strings (or None) per row")
         if (stops.strings or rows) and stops.decode is None:
             raise ValueError("stop_strings: need the worker's tokenizer (pass tokenizer=)")
-        config = get_model_config(self.model)
-        if self.routes is not None and config.tensor_model_parallel_size > 1:
-            raise ValueError(
-                "generate: an MoE model under tensor parallelism (its expert layers need "
-                "sequence parallelism) is not supported"
-            )
 
     def generate(
         self, data: BatchedDataDict, how: Sampling, stops: Stops, *, max_new_tokens: int, seed: int

@@ -126,8 +126,7 @@ class Replay:
         moe_layers: tuple[bool, ...],
         balance_coeff: float | None = None,
     ) -> None:
-        config = model.config
-        self.sp = config.sequence_parallel
+        config = self.config = model.config
         self.tp = config.tensor_model_parallel_size
         # the position of each global layer among the MoE layers (routed_experts' L axis)
         ordinal = torch.tensor(moe_layers).cumsum(0) - 1
@@ -186,6 +185,11 @@ class Replay:
     def reset(self) -> None:
         for replay in self.layers.values():
             replay.reset()
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism now (read live: generation switches it off for its forwards)."""
+        return bool(self.config.sequence_parallel)
 
     def _to_router(self, values: torch.Tensor) -> torch.Tensor:
         """[b, t, ...] -> [tokens, ...] in a router's order: sequence-major, this TP rank's
