@@ -12,6 +12,7 @@ import contextlib
 import errno
 import shutil
 import threading
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,7 @@ def failure(pending: PendingSave, error: BaseException) -> BaseException:
     """Remove a failed save's temporary directories; the error to raise for it (an interrupt
     stays what it is)."""
     full = _disk_full(pending, error)
+    _clear_frames(error, *pending.errors)
     discard(pending)
     if not isinstance(error, Exception | CheckpointException):
         return error
@@ -102,6 +104,23 @@ def failure(pending: PendingSave, error: BaseException) -> BaseException:
         f"save to {target} failed: {reason}; nothing was committed (the previous checkpoints "
         "are untouched) and its temporary files are removed"
     )
+
+
+def _clear_frames(*errors: BaseException) -> None:
+    """Drop the locals of the failed writes' frames (the messages and line numbers stay).
+
+    torch's writer serializes into a BytesIO and writes a memoryview of its buffer; a failure
+    leaves both in the frames of its traceback, a reference cycle that only the garbage
+    collector frees, and CPython 3.12.1 can crash freeing such a pair there (the buffer
+    released after its BytesIO was cleared: a segmentation fault seen after a save into a
+    full file system). Cleared here, they go by reference counting, in a safe order."""
+    seen: set[int] = set()
+    for root in errors:
+        e: BaseException | None = root
+        while e is not None and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)  # executing frames are skipped
+            e = e.__cause__ or e.__context__
 
 
 def _disk_full(pending: PendingSave, error: BaseException) -> str | None:
