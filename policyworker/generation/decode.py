@@ -108,7 +108,7 @@ class Decoder:
         capacity = int((lengths + limits).max())
         run = _Run(self, ids, lengths, limits, how, stops, seed)
         self.model.eval()
-        cache = KVCache(ids.shape[0], capacity)
+        cache = KVCache(capacity)
         try:
             with torch.no_grad(), _no_sequence_parallel(self.model), attached(self.model, cache):
                 run.loop(cache)

@@ -47,12 +47,11 @@ class Step:
 
 
 class KVCache:
-    """Keys and values of `batch` rows of up to `capacity` positions (rounded up to a multiple
+    """Keys and values of a batch's rows, up to `capacity` positions each (rounded up to a multiple
     of `KEY_BLOCK`), for every attention layer of this rank; layer tensors are made at their
     first write."""
 
-    def __init__(self, batch: int, capacity: int) -> None:
-        self.batch = batch
+    def __init__(self, capacity: int) -> None:
         self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         self.step: Step | None = None
         self.layers: list[LayerCache] = []
@@ -67,9 +66,6 @@ class KVCache:
         rounded up to a multiple of `KEY_BLOCK` (masked beyond)."""
         return min(self.capacity, -(-positions // KEY_BLOCK) * KEY_BLOCK)
 
-    def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for c in self.layers for t in c.tensors())
-
 
 class LayerCache:
     """One attention layer's keys and values [B, kv_heads, capacity, head_dim]."""
@@ -78,9 +74,6 @@ class LayerCache:
         self.owner = owner
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values) if t is not None]
 
     def attend(
         self,
