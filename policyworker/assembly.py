@@ -291,7 +291,7 @@ def build_sampler(
         model=state.forward_model,
         groups=w.groups,
         device=w.device,
-        vocab_size=w.shape.vocab_size,
+        logits=logit_options(w),
         max_seq_len=w.cfg.max_total_sequence_length,
         pad_id=pad_token(w.hf_config, tokenizer),
         routes=routes,

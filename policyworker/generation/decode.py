@@ -31,7 +31,7 @@ from policyworker.generation.graphs import GraphedStep
 from policyworker.model.build import output_head
 from policyworker.model.kv_cache import KVCache, Step, attached
 from policyworker.model.replay import Replay
-from policyworker.ops.logprobs import Head
+from policyworker.ops.logprobs import Head, LogitOptions, full_logits
 from policyworker.ops.sampling import Sampling, next_tokens
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
 
@@ -68,7 +68,8 @@ class Decoder:
     model: torch.nn.Module
     groups: Groups
     device: torch.device
-    vocab_size: int
+    logits: LogitOptions
+    """This rank's vocabulary slice and the true vocabulary (the temperature is `Sampling`'s)."""
     max_seq_len: int
     pad_id: int
     routes: Routes | None = None
@@ -78,7 +79,9 @@ class Decoder:
     def check(self, data: BatchedDataDict, stops: Stops) -> None:
         """A generation batch: right-padded prompts with room for a new token; stop strings
         only with a tokenizer (`ValueError` naming the field)."""
-        validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        vocab = self.logits.vocab_size
+        assert vocab is not None
+        validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=vocab)
         longest = int(data["input_lengths"].max())
         if longest >= self.max_seq_len:
             raise ValueError(
@@ -159,16 +162,9 @@ class Decoder:
         return self._logits(head, pick)
 
     def _logits(self, head: Head, pick: torch.Tensor) -> torch.Tensor:
-        """The picked rows' logits, gathered over TP, without the vocabulary's padding."""
+        """The picked rows' logits [B, V] (fp32), gathered over TP, without the padding."""
         hidden = head.hidden[torch.arange(head.hidden.shape[0], device=pick.device), pick]
-        assert head.weight is not None
-        local = (hidden @ head.weight.T).float()  # [B, V/tp]
-        tp = self.groups.tp
-        if tp is not None and dist.get_world_size(tp) > 1:
-            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(tp))]
-            dist.all_gather(parts, local.contiguous(), group=tp)
-            local = torch.cat(parts, dim=-1)
-        return local[:, : self.vocab_size]
+        return full_logits(Head(hidden[:, None], head.weight), self.logits)[:, 0].float()
 
 
 class _Run:
@@ -193,6 +189,7 @@ class _Run:
         self.done = torch.zeros(len(lengths), dtype=torch.bool)
         self.stopped = torch.zeros_like(self.done)  # by a stop token or string
         self.route_rows: torch.Tensor | None = None
+        self.stop_ids = torch.tensor(stops.token_ids, dtype=torch.long)
 
     def loop(self, cache: KVCache) -> None:
         d, b, width = self.d, self.ids.shape[0], self.ids.shape[1]
@@ -241,8 +238,8 @@ class _Run:
         if logits is not None:
             tokens, logprobs = next_tokens(logits, self.how, self.generator)
             tokens = torch.where(self.done.to(tokens.device), self.d.pad_id, tokens)
-            drawn[0], drawn[1] = tokens.cpu().double(), logprobs.cpu().double()
-            drawn[2] = self._stops_now(tokens.cpu()).double()
+            drawn[:2] = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one copy
+            drawn[2] = self._stops_now(drawn[0].long()).double()
         drawn = broadcast_from_last_stage(drawn, self.d.groups, device=self.d.device)
         tokens, logprobs, stop = drawn[0].long(), drawn[1].float(), drawn[2].bool()
         active = ~self.done
@@ -257,7 +254,7 @@ class _Run:
         its decoded response's tail: the last tokens, as many as the longest string has
         characters and a few more — a string wholly before them would have stopped the row)."""
         stops = self.stops
-        hit = torch.isin(tokens, torch.tensor(stops.token_ids, dtype=torch.long))
+        hit = torch.isin(tokens, self.stop_ids)
         if stops.decode is None:
             return hit
         for row in range(len(tokens)):
