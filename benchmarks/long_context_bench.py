@@ -3,18 +3,22 @@
 The ~1.6B Llama-like model of `train_bench.py`, bf16, one process, side by side:
 
 * ours, plain:          `MegatronPolicyWorker.train(NLLLoss)`, packed, one sequence per bin;
-* ours, recompute:      the same with full activation recompute;
-* ours, recompute+chunk: and `logprob_chunk_size` (the logits in chunks of `--chunk` tokens);
-* hf:                   `LlamaForCausalLM` (sdpa) with gradient checkpointing, fused AdamW, at
-                        the lengths it fits;
-* scoring:              `get_logprobs` of one sequence, unchunked and chunked (the same worker,
-                        its logit options swapped), up to `--score-lengths`;
+* ours, chunk:          with `logprob_chunk_size` (the logits in chunks of `--chunk` tokens);
+* ours, recompute:      plain with full activation recompute;
+* ours, recompute+chunk: both;
+* hf:                   `LlamaForCausalLM` (sdpa), fused AdamW, with gradient checkpointing
+                        (in train mode: transformers checkpoints only then) and without, at the
+                        lengths each fits;
+* scoring:              `get_logprobs` of one sequence by a worker without and one with
+                        `logprob_chunk_size` (logits and, without gradient, the MLP in chunks),
+                        up to `--score-lengths`;
 * CP attention kernel:  one CP=2 rank's attention blocks, flash varlen against one masked SDPA
                         per block, forward + backward, at `--cp-lengths` (GPU only).
 
 Each variant runs its lengths in increasing order until one runs out of memory (recorded as
 "oom"). Prints one JSON line: per variant and length, tokens/s, MFU (model FLOPs, causal
-attention counted, recompute not), peak memory; the ratios ours / hf at each length hf fits.
+attention counted, recompute not), peak memory; at each length transformers fits, the ratio of
+each of our variants' tokens/s to transformers with gradient checkpointing.
 
     python benchmarks/long_context_bench.py [--lengths 4096,8192,16384,32768,65536]
         [--score-lengths 32768,65536,131072] [--chunk 4096] [--steps 2]
@@ -23,7 +27,6 @@ attention counted, recompute not), peak memory; the ratios ours / hf at each len
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +48,7 @@ from train_bench import (
 
 VARIANTS = {  # name -> (full recompute, chunk the logits)
     "plain": (False, False),
+    "chunk": (False, True),
     "recompute": (True, False),
     "recompute_chunk": (True, True),
 }
@@ -59,7 +63,7 @@ def measure(step: Callable[[], Any], steps: int) -> dict[str, float] | str:
         torch.cuda.reset_peak_memory_stats()
         resident = torch.cuda.memory_allocated()
     try:
-        seconds = timed(step, steps, warmup=1)
+        seconds = timed(step, steps, warmup=2)
     except torch.OutOfMemoryError:
         free()
         return "oom"
@@ -111,35 +115,52 @@ def bench_ours(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, An
 
 
 def bench_scoring(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """get_logprobs of one sequence, logits unchunked and chunked, on one worker."""
-    worker = worker_for(folder, max(args.score_lengths), False, None, train=False)
-    plain = worker.collector
-    chunked = dataclasses.replace(
-        plain, logits=dataclasses.replace(plain.logits, chunk_tokens=args.chunk)
-    )
+    """get_logprobs of one sequence, by a worker without `logprob_chunk_size` and one with; and
+    how far apart their logprobs of the shortest sequence are (chunks change matmul shapes)."""
     out: dict[str, Any] = {}
-    for name, collector in (("unchunked", plain), ("chunked", chunked)):
-        worker.collector = collector
+    first: dict[str, torch.Tensor] = {}
+    for name, chunk in (("unchunked", None), ("chunked", args.chunk)):
+        worker = worker_for(folder, max(args.score_lengths), False, chunk, train=False)
         rows: dict[str, Any] = {}
         for length in args.score_lengths:
-            data = full_rows(torch.randint(0, cfg.vocab_size, (1, length)))
+            g = torch.Generator().manual_seed(length)  # both workers score the same tokens
+            data = full_rows(torch.randint(0, cfg.vocab_size, (1, length), generator=g))
             got = measure(lambda d=data, w=worker: w.get_logprobs(data=d), args.steps)
             rows[str(length)] = got if got == "oom" else {**got, "tok_s": length / got["s"]}
             if got == "oom":
                 break
+            first.setdefault(name, worker.get_logprobs(data=data)["logprobs"].float())
         out[name] = rows
-    worker.shutdown()
+        worker.shutdown()
+        del worker
+        free()
+    if len(first) == 2:
+        out["max_abs_diff_at_shortest"] = (first["chunked"] - first["unchunked"]).abs().max().item()
     return out
 
 
 def bench_hf(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for name, ckpt in HF_VARIANTS.items():
+        out[name] = hf_rows(folder, cfg, args, ckpt)
+        free()
+    return out
+
+
+HF_VARIANTS = {"grad_ckpt": True, "plain": False}
+
+
+def hf_rows(folder: Path, cfg: Any, args: argparse.Namespace, ckpt: bool) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.bfloat16, attn_implementation="sdpa"
     ).to(DEVICE)
-    model.gradient_checkpointing_enable()
     model.config.use_cache = False
+    model.train()  # from_pretrained leaves eval mode, where transformers does not checkpoint
+    if ckpt:
+        model.gradient_checkpointing_enable()
+        assert model.is_gradient_checkpointing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=DEVICE == "cuda")
     rows: dict[str, Any] = {}
     for length in args.lengths:
@@ -154,7 +175,7 @@ def bench_hf(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, Any]
         rows[str(length)] = with_rates(got, cfg, length)
         if got == "oom":
             break
-    return rows
+    return rows  # the model and optimizer go with this frame (the caller frees the cache)
 
 
 def bench_cp_kernel(args: argparse.Namespace) -> dict[str, Any]:
@@ -213,13 +234,19 @@ def main() -> None:
     scoring = bench_scoring(folder, cfg, args)
     hf = {} if args.skip_hf else bench_hf(folder, cfg, args)
     free()
-    best = ours["recompute_chunk"]
     speedup = {
-        n: hf[n]["s"] / best[n]["s"]
-        for n in hf
-        if isinstance(hf[n], dict) and isinstance(best.get(n), dict)
+        name: {
+            n: hf["grad_ckpt"][n]["s"] / rows[n]["s"]
+            for n in hf.get("grad_ckpt", {})
+            if isinstance(hf["grad_ckpt"][n], dict) and isinstance(rows.get(n), dict)
+        }
+        for name, rows in ours.items()
     }
-    fits = [n for n, r in scoring["unchunked"].items() if isinstance(r, dict)]
+    fits = [
+        n
+        for n, r in scoring["unchunked"].items()
+        if isinstance(r, dict) and n in scoring["chunked"]
+    ]
     plain_at = scoring["unchunked"][fits[-1]] if fits else None
     chunked_at = scoring["chunked"].get(fits[-1]) if fits else None
     row = {
@@ -227,10 +254,10 @@ def main() -> None:
         "params": n_params,
         "chunk": args.chunk,
         "ours": ours,
-        "hf_grad_ckpt": hf,
+        "hf": hf,
         "scoring": scoring,
         "cp_attention_kernel": cp_kernel,
-        "train_speedup_vs_hf": speedup,
+        "train_speedup_vs_hf_grad_ckpt": speedup,
         # the scoring call's own memory, chunked / unchunked, at the longest unchunked fits
         "scoring_step_mem_ratio": (
             chunked_at["step_gib"] / plain_at["step_gib"]

@@ -144,6 +144,7 @@ def build_state(
         post_process=w.groups.is_last_stage,
         moe=config.moe,
         recompute=config.recompute,
+        mlp_chunk_tokens=config.logprob_chunk_size,
     )
     if hf_weights is not None:
         load_hf_weights(

@@ -198,3 +198,30 @@ def test_the_references_keys_map_to_the_chunk_size(keys, want):
     section = {"model_name": "/ckpt", **keys, "megatron_cfg": mcore}
     got = policy_dict({"policy": section}, ignore_unsupported=False)
     assert got.get("logprob_chunk_size") == want
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_no_more_than_one_chunk_of_the_mlp_without_grad(tmp_path, packed):
+    """Under chunking the dense MLP's intermediate ([tokens, 2 * ffn] gated, [tokens, ffn]
+    after the activation) never has more rows than a chunk in get_logprobs and get_topk_logits
+    (forwards without gradient), and the logprobs equal unchunked ones;
+    without chunking the whole micro-batch's appears (the check sees it). Training's forward
+    keeps the MLP whole: its activations are kept for the backward anyway."""
+    ffn = 59  # 59 and 118 wide: no other dimension of the model is
+    folder = make_hf_model(tmp_path / "m", "llama", intermediate_size=ffn)
+    data = make_batch(batch=4, seq=24)
+    packing = SequencePackingConfig(enabled=packed, train_mb_tokens=48, logprob_mb_tokens=48)
+    seen, logprobs = {}, {}
+    for chunk in (None, 8):
+        worker = make_worker(folder, sequence_packing=packing, logprob_chunk_size=chunk)
+        with _LogitRows(ffn) as act, _LogitRows(2 * ffn) as gated:
+            logprobs[chunk] = worker.get_logprobs(data=data)["logprobs"]
+            worker.get_topk_logits(data=data, k=3)
+        seen[chunk] = max(act.rows, gated.rows)
+        with _LogitRows(2 * ffn) as gated:
+            worker.train(data, NLLLoss())
+        assert gated.rows >= 24  # training: the whole micro-batch at once
+        worker.shutdown()
+    assert 0 < seen[8] <= 8
+    assert seen[None] >= 24
+    assert (logprobs[8] - logprobs[None]).abs().max().item() <= 1e-6

@@ -78,7 +78,8 @@ class PolicyConfig:
     log-softmax, token logprobs, entropy and top-k run chunk by chunk, forward and backward, so
     at most one chunk's [tokens, V/tp] logits exist at a time, in every loss's training path and
     in get_logprobs / get_topk_logits. Costs one more output-layer matmul per chunk (the
-    backward recomputes its logits); the numbers equal unchunked ones."""
+    backward recomputes its logits); the numbers equal unchunked ones. In forwards without
+    gradient the dense MLPs also run this many tokens at a time (`model/chunked_mlp.py`)."""
     temperature: float = 1.0
     """Generation temperature: logits are divided by it before logprobs, top-k and the loss."""
     max_grad_norm: float = 1.0

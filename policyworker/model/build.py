@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel import (
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from policyworker.config import MoEConfig, RecomputeConfig
 from policyworker.model.attention import SDPACoreAttention
+from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
 from policyworker.model.grouped_experts import GroupedExperts
 from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
 from policyworker.model.norm import RMSNorm
@@ -182,7 +183,7 @@ def _dense_layer(*, qk_norm: bool) -> ModuleSpec:
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=partial(
-                MLP.as_mlp_submodule,
+                ChunkedMLP.as_mlp_submodule,
                 submodules=MLPSubmodules(
                     linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
                 ),
@@ -203,9 +204,11 @@ def build_gpt_model(
     post_process: bool = True,
     moe: MoEConfig | None = None,
     recompute: RecomputeConfig | None = None,
+    mlp_chunk_tokens: int | None = None,
 ) -> GPTModel:
     """A GPTModel with this rank's shard of `shape`, on the current device, weights unset; with
-    `moe.freeze_moe_router` its routers take no gradient."""
+    `moe.freeze_moe_router` its routers take no gradient; its dense MLPs run `mlp_chunk_tokens`
+    tokens at a time in forwards without gradient (`ChunkedMLP`)."""
     on_gpu = torch.cuda.is_available()
     moe = moe or MoEConfig()
     config = transformer_config(
@@ -241,6 +244,7 @@ def build_gpt_model(
     for module in model.modules():
         if isinstance(module, SDPACoreAttention):
             module.set_rope(inv_freq)
+    set_chunk(model, mlp_chunk_tokens)
     for name, param in model.named_parameters():  # before DDP and the optimizer see them
         if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):
             param.requires_grad_(False)
