@@ -5,6 +5,7 @@ has a `--prompt`-token prompt and draws exactly `--new` tokens (no stop token: r
 would stop at random), sampling at temperature 1:
 
 * ours:       `MegatronPolicyWorker.generate` (our decode loop, KV cache in the core attention);
+* ours_triton: the same with `generation.decode_attention: triton` (our decode kernel);
 * engine:     our transformers engine (`generation.engine.HFEngine.draw`, what
               `GenerationProcess` runs: transformers' `generate` with its dynamic cache);
 * hf_static:  transformers' `generate` with `cache_implementation="static"`.
@@ -15,11 +16,13 @@ exp|generation − get_logprobs|, and its largest per-token value). Prints one J
 tokens/s per engine and batch size and the ratios. CPU: a smoke run with `--smoke`.
 
     python benchmarks/generation_bench.py [--batches 64,256] [--prompt 512] [--new 1024]
+        [--engines ours,ours_triton,engine,hf_static]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +42,9 @@ def seconds(run: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def bench_ours(folder: Path, prompts: torch.Tensor, new: int, precision: str) -> dict[str, float]:
+def bench_ours(
+    folder: Path, prompts: torch.Tensor, new: int, precision: str, kernel: str = "sdpa"
+) -> dict[str, float]:
     from policyworker.config import PolicyConfig
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.worker import MegatronPolicyWorker
@@ -50,7 +55,7 @@ def bench_ours(folder: Path, prompts: torch.Tensor, new: int, precision: str) ->
         precision=precision,
         logprob_batch_size=min(b, 16),
         max_total_sequence_length=p + new,
-        generation={"max_new_tokens": new, "stop_token_ids": []},
+        generation={"max_new_tokens": new, "stop_token_ids": [], "decode_attention": kernel},
     )
     worker = MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
     data = BatchedDataDict({"input_ids": prompts, "input_lengths": torch.full((b,), p)})
@@ -131,7 +136,7 @@ def main() -> None:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=1024)
-    parser.add_argument("--engines", default="ours,engine,hf_static")
+    parser.add_argument("--engines", default="ours,ours_triton,engine,hf_static")
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 run (CPU)")
     parser.add_argument("--out", default=None, help="also write the JSON line here")
     args = parser.parse_args()
@@ -142,7 +147,12 @@ def main() -> None:
     dtype = getattr(torch, precision)
     folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
     engines = args.engines.split(",")
-    runs = {"ours": bench_ours, "engine": bench_engine, "hf_static": bench_hf_static}
+    runs = {
+        "ours": bench_ours,
+        "ours_triton": functools.partial(bench_ours, kernel="triton"),
+        "engine": bench_engine,
+        "hf_static": bench_hf_static,
+    }
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "vocab", "prompt", "new")}
     row: dict[str, object] = {"bench": "generation", "device": DEVICE, "shape": shape}
     row["params"] = n_params
@@ -151,14 +161,14 @@ def main() -> None:
         prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt), generator=g)
         results = {}
         for name in engines:
-            kind = precision if name == "ours" else dtype
+            kind = precision if name.startswith("ours") else dtype
             results[name] = runs[name](folder, prompts, args.new, kind)
             free()  # the engine's model went with its function
             print(f"batch {batch} {name}: {results[name]}", file=sys.stderr, flush=True)
-        if "ours" in results:
-            for other in set(results) - {"ours"}:
-                ratio = results["ours"]["tokens_per_s"] / results[other]["tokens_per_s"]
-                results[f"ours_vs_{other}"] = ratio
+        for ours in [n for n in engines if n.startswith("ours")]:
+            for other in [n for n in engines if not n.startswith("ours")]:
+                ratio = results[ours]["tokens_per_s"] / results[other]["tokens_per_s"]
+                results[f"{ours}_vs_{other}"] = ratio
         row[f"batch_{batch}"] = results
     emit(row, args.out)
 

@@ -4,7 +4,9 @@ The ~1.6B Llama-like model of `train_bench.py`, bf16, one process, side by side:
 
 * ours, plain:          `MegatronPolicyWorker.train(NLLLoss)`, packed, one sequence per bin;
 * ours, chunk:          with `logprob_chunk_size` (the logits in chunks of `--chunk` tokens);
-* ours, recompute:      plain with full activation recompute;
+* ours, block+chunk:    chunked, with full recompute of the first `--block-layers` layers only
+                        (`recompute_method: block`; the others keep their activations);
+* ours, recompute:      plain with full activation recompute of every layer;
 * ours, recompute+chunk: both;
 * hf:                   `LlamaForCausalLM` (sdpa), fused AdamW, with gradient checkpointing
                         (in train mode: transformers checkpoints only then) and without, at the
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 
+from policyworker.config import RecomputeConfig
+
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import (
     DEVICE,
@@ -46,11 +50,12 @@ from train_bench import (
     timed,
 )
 
-VARIANTS = {  # name -> (full recompute, chunk the logits)
-    "plain": (False, False),
-    "chunk": (False, True),
-    "recompute": (True, False),
-    "recompute_chunk": (True, True),
+VARIANTS = {  # name -> (full recompute: none, of every layer, of the first few; chunk the logits)
+    "plain": (None, False),
+    "chunk": (None, True),
+    "block_chunk": ("block", True),
+    "recompute": ("uniform", False),
+    "recompute_chunk": ("uniform", True),
 }
 
 
@@ -72,9 +77,14 @@ def measure(step: Callable[[], Any], steps: int) -> dict[str, float] | str:
 
 
 def worker_for(
-    folder: Path, longest: int, recompute: bool, chunk: int | None, *, train: bool = True
+    folder: Path,
+    longest: int,
+    recompute: RecomputeConfig | None,
+    chunk: int | None,
+    *,
+    train: bool = True,
 ) -> Any:
-    from policyworker.config import PolicyConfig, RecomputeConfig, SequencePackingConfig
+    from policyworker.config import PolicyConfig, SequencePackingConfig
     from policyworker.worker import MegatronPolicyWorker
 
     cfg = PolicyConfig(
@@ -85,7 +95,7 @@ def worker_for(
         logprob_batch_size=1,
         max_total_sequence_length=longest,
         logprob_chunk_size=chunk,
-        recompute=RecomputeConfig(activation_checkpointing=recompute),
+        recompute=recompute or RecomputeConfig(),
         sequence_packing=SequencePackingConfig(
             enabled=True, train_mb_tokens=longest, logprob_mb_tokens=longest
         ),
@@ -98,7 +108,13 @@ def bench_ours(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, An
 
     out: dict[str, Any] = {}
     longest = max(args.lengths)
-    for name, (recompute, chunked) in VARIANTS.items():
+    for name, (method, chunked) in VARIANTS.items():
+        recompute = None
+        if method is not None:
+            layers = args.block_layers if method == "block" else 1
+            recompute = RecomputeConfig(
+                activation_checkpointing=True, recompute_method=method, recompute_num_layers=layers
+            )
         worker = worker_for(folder, longest, recompute, args.chunk if chunked else None)
         rows: dict[str, Any] = {}
         for length in args.lengths:
@@ -120,7 +136,7 @@ def bench_scoring(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str,
     out: dict[str, Any] = {}
     first: dict[str, torch.Tensor] = {}
     for name, chunk in (("unchunked", None), ("chunked", args.chunk)):
-        worker = worker_for(folder, max(args.score_lengths), False, chunk, train=False)
+        worker = worker_for(folder, max(args.score_lengths), None, chunk, train=False)
         rows: dict[str, Any] = {}
         for length in args.score_lengths:
             g = torch.Generator().manual_seed(length)  # both workers score the same tokens
@@ -223,6 +239,9 @@ def main() -> None:
     parser.add_argument("--score-lengths", type=ints, default=[32768, 65536, 131072])
     parser.add_argument("--cp-lengths", type=ints, default=[8192, 16384, 32768])
     parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument(
+        "--block-layers", type=int, default=11, help="block+chunk: layers recomputed"
+    )
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default=None, help="also write the JSON line here")

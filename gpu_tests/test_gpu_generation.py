@@ -31,13 +31,18 @@ def folder(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("gpu_gen"), "llama", **MEDIUM)
 
 
-def _worker(folder, precision, graphs=True):
+def _worker(folder, precision, graphs=True, kernel="sdpa"):
     cfg = PolicyConfig(
         model_name=str(folder),
         precision=precision,
         logprob_batch_size=8,
         max_total_sequence_length=128,
-        generation={"max_new_tokens": NEW, "stop_token_ids": [], "cuda_graphs": graphs},
+        generation={
+            "max_new_tokens": NEW,
+            "stop_token_ids": [],
+            "cuda_graphs": graphs,
+            "decode_attention": kernel,
+        },
     )
     return MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
 
@@ -61,9 +66,10 @@ def _errors(worker, data, out) -> torch.Tensor:
     return (scored - out["logprobs"]).abs().exp()[mask]
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
 @pytest.mark.parametrize("precision", ["bfloat16", "float32"])
-def test_generation_logprobs_match_get_logprobs(folder, precision):
-    worker = _worker(folder, precision)
+def test_generation_logprobs_match_get_logprobs(folder, precision, kernel):
+    worker = _worker(folder, precision, kernel=kernel)
     data = _prompts(worker.shape.vocab_size)
     worker.generate(data=data, seed=1)  # the first call's one-time buffers (compiled kernels)
     torch.cuda.synchronize()
@@ -71,7 +77,9 @@ def test_generation_logprobs_match_get_logprobs(folder, precision):
     out = worker.generate(data=data, seed=0)
     assert torch.cuda.memory_allocated() == before  # the KV cache and graph went with the call
     errors = _errors(worker, data, out)
-    print(f"{precision}: token_mult_prob_error mean {errors.mean():.6f} max {errors.max():.6f}")
+    print(
+        f"{precision} {kernel}: token_mult_prob_error mean {errors.mean():.6f} max {errors.max():.6f}"
+    )
     if precision == "bfloat16":
         assert errors.mean() <= 1.01
     else:
@@ -96,10 +104,67 @@ def test_greedy_equals_transformers_in_fp32(folder):
     assert same >= 7  # TF32-free fp32 on both sides; one near-tie may break differently
 
 
-def test_graphed_decode_equals_step_by_step_in_fp32(folder):
-    graphed, eager = _worker(folder, "float32"), _worker(folder, "float32", graphs=False)
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_graphed_decode_equals_step_by_step_in_fp32(folder, kernel):
+    graphed = _worker(folder, "float32", kernel=kernel)
+    eager = _worker(folder, "float32", graphs=False, kernel=kernel)
     assert graphed.sampler.decoder.graphs and not eager.sampler.decoder.graphs
     data = _prompts(graphed.shape.vocab_size)
     a, b = graphed.generate(data=data, seed=3), eager.generate(data=data, seed=3)
     assert torch.equal(a["output_ids"], b["output_ids"])
     assert (a["logprobs"] - b["logprobs"]).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_equals_sdpa(dtype):
+    """`ops.decode_attention` on the GPU against SDPA's masked grouped attention in fp32: rows of
+    different lengths, slots past them holding NaN (never read), several splits of a row, and a
+    graph capture of one call replayed after the lengths changed."""
+    from policyworker.ops.decode_attention import decode_attention, splits_for
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for b, heads, groups, dim, capacity in ((4, 32, 8, 64, 1536), (1, 16, 2, 128, 4096)):
+        q = torch.randn(b, heads, dim, generator=g, device="cuda", dtype=dtype)
+        k, v = (
+            torch.randn(b, groups, capacity, dim, generator=g, device="cuda", dtype=dtype)
+            for _ in range(2)
+        )
+        pos = torch.randint(0, capacity, (b,), generator=g, device="cuda")
+        pos[0] = capacity - 1
+
+        bound = 2e-6 if dtype == torch.float32 else 2e-2
+        for row in range(b):  # what lies past a row's length must not be read
+            k[row, :, pos[row] + 1 :] = float("nan")
+            v[row, :, pos[row] + 1 :] = float("nan")
+        assert (
+            decode_attention(q, k, v, pos, dim**-0.5).float() - _sdpa_decode(q, k, v, pos)
+        ).abs().max() <= bound
+        graph = torch.cuda.CUDAGraph()
+        decode_attention(q, k, v, pos, dim**-0.5)  # compile outside the capture
+        with torch.cuda.graph(graph):
+            out = decode_attention(q, k, v, pos, dim**-0.5)
+        pos.copy_(torch.randint(0, capacity, (b,), generator=g, device="cuda"))
+        k.nan_to_num_(0.0), v.nan_to_num_(0.0)
+        graph.replay()
+        assert (out.float() - _sdpa_decode(q, k, v, pos)).abs().max() <= bound
+        print(
+            dtype,
+            b,
+            heads,
+            groups,
+            dim,
+            capacity,
+            "splits",
+            splits_for(b, groups, capacity, q.device),
+        )
+
+
+def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+    """SDPA's masked grouped decode attention in fp32, the slots past each row's position zeroed."""
+    from policyworker.model.kv_cache import _masked_grouped
+
+    reach = torch.arange(k.shape[2], device="cuda")[None, :] <= pos[:, None]
+    kk = torch.where(reach[:, None, :, None], k.float(), 0.0)
+    vv = torch.where(reach[:, None, :, None], v.float(), 0.0)
+    ref = _masked_grouped(q[:, :, None].float(), kk, vv, pos[None, :], q.shape[-1] ** -0.5)
+    return ref[:, :, 0]

@@ -30,6 +30,7 @@ from policyworker.model.hf_config import (
     load_hf_config,
     model_shape,
 )
+from policyworker.model.kv_cache import DECODE
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.replay import Replay
 from policyworker.model.routing import RouteCounts
@@ -297,6 +298,7 @@ def build_sampler(
         pad_id=pad_token(w.hf_config, tokenizer),
         routes=routes,
         graphs=w.cfg.generation.cuda_graphs and w.device.type == "cuda" and whole,
+        decode=DECODE[w.cfg.generation.decode_attention],
     )
     return Sampler(
         decoder,

@@ -153,7 +153,13 @@ def test_bad_input_is_a_value_error_naming_the_field(worker, folder):
         worker.generate(data=BatchedDataDict({**prompts([2, 3]), "stop_strings": [["a"], None]}))
     with pytest.raises(ValueError, match="seed"):
         worker.generate(data=prompts(), seed=-1)
-    for key, value in (("max_new_tokens", 0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0)):
+    for key, value in (
+        ("max_new_tokens", 0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("decode_attention", "flash"),
+    ):
         with pytest.raises(ValueError, match=f"generation.{key}"):
             PolicyConfig(model_name=str(folder), generation={key: value})
     assert worker.generate(data=prompts(), greedy=True)["output_ids"].shape[0] == 4  # usable

@@ -29,7 +29,7 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import ROUTES, validate_batch
 from policyworker.generation.graphs import GraphedStep
 from policyworker.model.build import output_head
-from policyworker.model.kv_cache import KVCache, Step, attached
+from policyworker.model.kv_cache import DecodeAttention, KVCache, Step, attached, sdpa_decode
 from policyworker.model.replay import Replay
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits
 from policyworker.ops.sampling import Sampling, next_tokens
@@ -75,6 +75,8 @@ class Decoder:
     routes: Routes | None = None
     graphs: bool = False
     """Decode steps as CUDA graph replays (`generation.graphs`): a whole model on one GPU."""
+    decode: DecodeAttention = sdpa_decode
+    """A decode step's attention over the cache (`generation.decode_attention`)."""
 
     def check(self, data: BatchedDataDict, stops: Stops) -> None:
         """A generation batch: right-padded prompts with room for a new token; stop strings
@@ -111,7 +113,7 @@ class Decoder:
         capacity = int((lengths + limits).max())
         run = _Run(self, ids, lengths, limits, how, stops, seed)
         self.model.eval()
-        cache = KVCache(capacity)
+        cache = KVCache(capacity, self.decode)
         try:
             with torch.no_grad(), _no_sequence_parallel(self.model), attached(self.model, cache):
                 run.loop(cache)

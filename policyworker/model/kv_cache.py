@@ -16,7 +16,8 @@ Slots are zeros until written, so a masked slot never brings NaN into the attent
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,8 @@ from policyworker.model.attention import SDPACoreAttention
 # Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
 # decode step has a new key length, every prefill a new prompt width. Decode takes the
 # memory-efficient kernel (flash takes no mask); it reads the cache at ~0.5 TB/s on an H200
-# (64-row query tiles for a step's few rows), the math backend was 3.4x slower still.
+# (64-row query tiles for a step's few rows), the math backend was 3.4x slower still; our own
+# kernel (`triton_decode`) is the other choice.
 _PREFILL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _DECODE = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KEY_BLOCK = 64
@@ -51,8 +53,10 @@ class KVCache:
     of `KEY_BLOCK`), for every attention layer of this rank; layer tensors are made at their
     first write."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, decode: DecodeAttention | None = None) -> None:
         self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        self.decode = decode or sdpa_decode
+        """A decode step's attention (`DECODE`)."""
         self.step: Step | None = None
         self.layers: list[LayerCache] = []
 
@@ -107,9 +111,38 @@ class LayerCache:
                     q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
                 )
         else:
-            with sdpa_kernel(_DECODE, set_priority=True):
-                out = _masked_grouped(q, k, v, positions, scale)
+            out = self.owner.decode(q, k, v, positions, scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def sdpa_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [b, np, s, hn] of a decode step against the cache's k/v [b, ng, n, hn], each query
+    reaching the keys up to its position ([s, b]): SDPA under a mask. -> [b, np, s, hn]."""
+    with sdpa_kernel(_DECODE, set_priority=True):
+        return _masked_grouped(q, k, v, positions, scale)
+
+
+def triton_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`sdpa_decode` through `ops.decode_attention`'s kernel when a step feeds one token per
+    row and Triton can run it — on a GPU, or on the CPU in Triton's interpreter (the tests);
+    else SDPA. The kernel reads each row's written keys only."""
+    runs = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    if not runs or q.shape[2] != 1:
+        return sdpa_decode(q, k, v, positions, scale)
+    from policyworker.ops.decode_attention import decode_attention  # Triton: GPU only
+
+    return decode_attention(q[:, :, 0], k, v, positions[0], scale)[:, :, None]
+
+
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+DECODE: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "triton": triton_decode}
+"""`generation.decode_attention`'s choices."""
 
 
 def _masked_grouped(

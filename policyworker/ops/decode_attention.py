@@ -1,0 +1,168 @@
+"""Decode attention over a KV cache: one query token per row, a Triton split-K kernel.
+
+A decode step's attention reads every cached key and value of every row once and does little
+arithmetic with them, so its speed is the rate it reads the cache. SDPA's kernels are built for
+many queries: the memory-efficient one tiles 64 query rows for a step's few (the query heads of
+one key head), takes the mask as a dense tensor and reads every slot up to the key length it is
+given — under a CUDA graph that is the cache's whole capacity, however short the rows still are.
+This kernel reads only each row's written keys (its length is read on the device, so one
+captured graph serves every step), puts the query heads that share a key head in one tile, and
+splits a row's keys over several programs when rows x key heads are too few to fill the GPU
+(flash-decoding); the splits' partial softmax sums are merged after.
+
+Numbers: fp32 scores and sums (exact to rounding against SDPA in fp32: the dot products run in
+IEEE fp32 for fp32 inputs); bf16/fp16 probabilities are rounded to the input dtype before the
+product with the values, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64
+"""Keys per loop iteration of a program."""
+NUM_WARPS, NUM_STAGES = 4, 3
+"""Triton's launch settings (its defaults)."""
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    o_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    scale,
+    split_len,
+    GROUPS: tl.constexpr,
+    REP: tl.constexpr,
+    SPLITS: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One (row, key head, split): the un-normalized output, running max and sum of its REP
+    query heads over the split's keys below the row's length."""
+    pid, split = tl.program_id(0), tl.program_id(1)
+    row, group = pid // GROUPS, pid % GROUPS
+    n_keys = tl.load(pos_ptr + row) + 1
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, n_keys)
+    rows, dims = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    heads = group * REP + rows
+    in_dim = dims < DIM
+    q = tl.load(
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=(rows < REP)[:, None] & in_dim[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_row = k_ptr + row * stride_kb + group * stride_kh
+    v_row = v_ptr + row * stride_vb + group * stride_vh
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        valid = keys < hi
+        tile = valid[:, None] & in_dim[None, :]
+        k = tl.load(k_row + keys[:, None] * stride_kn + dims[None, :], mask=tile, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_row + keys[:, None] * stride_vn + dims[None, :], mask=tile, other=0.0)
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    # partials laid out [b, heads, SPLITS(, DIM)]
+    out_rows = (row * GROUPS * REP + heads) * SPLITS + split
+    keep = rows < REP
+    tl.store(o_ptr + out_rows[:, None] * DIM + dims[None, :], acc, mask=keep[:, None] & in_dim)
+    tl.store(m_ptr + out_rows, m_i, mask=keep)
+    tl.store(l_ptr + out_rows, l_i, mask=keep)
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def splits_for(rows: int, groups: int, keys: int, device: torch.device) -> int:
+    """Splits of a row's keys: enough programs for about four per multiprocessor, each split at
+    least 256 keys."""
+    programs = rows * groups
+    want = -(-4 * _processors(device) // programs)
+    return max(1, min(want, keys // 256))
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [b, np, hn] (one token per row) against the cache k/v [b, ng, capacity, hn] (last dim
+    contiguous), each row reaching its keys 0..positions[row]; query head j reads key head
+    j // (np / ng). `keys` of the cache past every position are never read. -> [b, np, hn]."""
+    b, heads, dim = q.shape
+    groups, capacity = k.shape[1], k.shape[2]
+    rep = heads // groups
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    splits = splits_for(b, groups, capacity, q.device)
+    split_len = -(-capacity // (splits * BLOCK_N)) * BLOCK_N
+    partial = q.new_empty((b, heads, splits, dim), dtype=torch.float32)
+    maxes = q.new_empty((b, heads, splits), dtype=torch.float32)
+    sums = torch.empty_like(maxes)
+    _partial_kernel[(b * groups, splits)](
+        q,
+        k,
+        v,
+        positions,
+        partial,
+        maxes,
+        sums,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        scale,
+        split_len,
+        GROUPS=groups,
+        REP=rep,
+        SPLITS=splits,
+        DIM=dim,
+        BLOCK_M=max(16, triton.next_power_of_2(rep)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=BLOCK_N,
+        # fp32 inputs: IEEE products, not TF32 (no effect on bf16/fp16)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    if splits == 1:
+        return (partial[:, :, 0] / sums).to(q.dtype)
+    top = maxes.amax(-1, keepdim=True)
+    weight = torch.exp(maxes - top)  # an empty split (max -inf) weighs 0
+    total = (sums * weight).sum(-1, keepdim=True)
+    return ((partial * weight[..., None]).sum(2) / total).to(q.dtype)

@@ -1,0 +1,44 @@
+"""The decode attention kernel (`ops/decode_attention.py`) against SDPA, in Triton's interpreter
+on the CPU (`decode_attention_check.py`, a process of its own): grouped and ungrouped heads, a
+head dim that is not a power of 2, rows of different lengths, several splits of a row's keys
+(one of them empty), and cache slots past each row's position that hold NaN (never read); then
+a worker's `generate` with `generation.decode_attention: triton`, the kernel on every decode
+step, against SDPA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import make_hf_model
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.processes
+def test_kernel_equals_sdpa_in_the_interpreter(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    folder = make_hf_model(tmp_path / "m", "qwen3")
+    out = subprocess.run(
+        [sys.executable, str(HERE / "decode_attention_check.py"), str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout.splitlines()
+    assert len(out) == 6, out
+    *cases, generated = out
+    splits = set()
+    for line in cases:
+        fields = dict(f.split("=") for f in line.split()[1:])
+        bound = 1e-5 if line.startswith("float32") else 2e-3
+        assert float(fields["err"]) <= bound, line
+        splits.add(int(fields["splits"]))
+    assert splits == {1, 4}
+    # the worker's decode steps through the kernel: the same tokens, logprobs to fp32 rounding
+    fields = dict(f.split("=") for f in generated.split()[1:])
+    assert fields["same_tokens"] == "True" and float(fields["err"]) <= 1e-5, generated
