@@ -16,7 +16,7 @@ exp|generation − get_logprobs|, and its largest per-token value). Prints one J
 tokens/s per engine and batch size and the ratios. CPU: a smoke run with `--smoke`.
 
     python benchmarks/generation_bench.py [--batches 64,256] [--prompt 512] [--new 1024]
-        [--engines ours,ours_triton,engine,hf_static]
+        [--engines ours,ours_triton,engine,hf_static] [--profile]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench import DEVICE, emit, free, random_model, sync
+from train_bench import DEVICE, emit, free, profile_table, random_model, sync
 
 
 def seconds(run: Callable[[], object]) -> tuple[float, object]:
@@ -43,7 +43,12 @@ def seconds(run: Callable[[], object]) -> tuple[float, object]:
 
 
 def bench_ours(
-    folder: Path, prompts: torch.Tensor, new: int, precision: str, kernel: str = "sdpa"
+    folder: Path,
+    prompts: torch.Tensor,
+    new: int,
+    precision: str,
+    kernel: str = "sdpa",
+    prof: bool = False,
 ) -> dict[str, float]:
     from policyworker.config import PolicyConfig
     from policyworker.data.batched_data_dict import BatchedDataDict
@@ -61,6 +66,9 @@ def bench_ours(
     data = BatchedDataDict({"input_ids": prompts, "input_lengths": torch.full((b,), p)})
     cfg.generation.max_new_tokens = 8  # a short warm-up call
     worker.generate(data=data, seed=1)
+    if prof:  # a 32-token call: prefill and 31 decode steps
+        cfg.generation.max_new_tokens = 32
+        profile_table(f"generate, 32 new tokens, {kernel}", lambda: worker.generate(data=data))
     cfg.generation.max_new_tokens = new
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -138,6 +146,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=1024)
     parser.add_argument("--engines", default="ours,ours_triton,engine,hf_static")
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 run (CPU)")
+    parser.add_argument("--profile", action="store_true", help="op tables of ours (stderr)")
     parser.add_argument("--out", default=None, help="also write the JSON line here")
     args = parser.parse_args()
     if args.smoke:
@@ -148,8 +157,8 @@ def main() -> None:
     folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
     engines = args.engines.split(",")
     runs = {
-        "ours": bench_ours,
-        "ours_triton": functools.partial(bench_ours, kernel="triton"),
+        "ours": functools.partial(bench_ours, prof=args.profile),
+        "ours_triton": functools.partial(bench_ours, kernel="triton", prof=args.profile),
         "engine": bench_engine,
         "hf_static": bench_hf_static,
     }

@@ -121,6 +121,7 @@ def bench_ours(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, An
             data = full_rows(torch.randint(0, cfg.vocab_size, (1, length)))
             got = measure(lambda d=data, w=worker: w.train(d, NLLLoss()), args.steps)
             rows[str(length)] = with_rates(got, cfg, length)
+            progress(name, length, rows[str(length)])
             if got == "oom":
                 break
         out[name] = rows
@@ -143,6 +144,7 @@ def bench_scoring(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str,
             data = full_rows(torch.randint(0, cfg.vocab_size, (1, length), generator=g))
             got = measure(lambda d=data, w=worker: w.get_logprobs(data=d), args.steps)
             rows[str(length)] = got if got == "oom" else {**got, "tok_s": length / got["s"]}
+            progress(f"scoring {name}", length, rows[str(length)])
             if got == "oom":
                 break
             first.setdefault(name, worker.get_logprobs(data=data)["logprobs"].float())
@@ -189,6 +191,7 @@ def hf_rows(folder: Path, cfg: Any, args: argparse.Namespace, ckpt: bool) -> dic
 
         got = measure(step, args.steps)
         rows[str(length)] = with_rates(got, cfg, length)
+        progress(f"hf ckpt={ckpt}", length, rows[str(length)])
         if got == "oom":
             break
     return rows  # the model and optimizer go with this frame (the caller frees the cache)
@@ -219,6 +222,11 @@ def cp_kernel_row(length: int, steps: int) -> dict[str, Any]:
     if isinstance(row["flash"], dict) and isinstance(row["masked"], dict):
         row["speedup"] = row["masked"]["s"] / row["flash"]["s"]
     return row
+
+
+def progress(name: str, length: int, row: object) -> None:
+    """Each measurement to stderr as it is made (a run cut short still shows what it did)."""
+    print(f"{name} {length}: {row}", file=sys.stderr, flush=True)
 
 
 def with_rates(got: dict[str, float] | str, cfg: Any, length: int) -> dict[str, float] | str:

@@ -18,6 +18,7 @@ attention (6 · L · s · h per token) against 790 TFLOP/s. Prints one JSON line
     python benchmarks/moe_bench.py [--layers 10] [--experts 48] [--topk 8] [--steps 5]
     python benchmarks/moe_bench.py --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 \\
         --experts 8 --topk 2 --expert-ffn 32 --vocab 128 --seq 32 --batch 2 --steps 1   # CPU smoke
+    add --profile for an op table of one train step of ours and of transformers (stderr)
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ import argparse
 from pathlib import Path
 
 import torch
-from train_bench import DEVICE, PEAK_BF16_FLOPS, emit, free, full_rows, save_random, timed
+from train_bench import (
+    DEVICE,
+    PEAK_BF16_FLOPS,
+    emit,
+    free,
+    full_rows,
+    profile_table,
+    save_random,
+    timed,
+)
 
 
 def moe_config(args: argparse.Namespace):
@@ -67,7 +77,9 @@ def active_flops(cfg, tokens: int, seq: int) -> tuple[float, int]:
     return 6 * active * tokens + 6 * L * seq * q * tokens, active
 
 
-def bench_ours(folder: Path, ids: torch.Tensor, steps: int, grouped: bool) -> dict[str, float]:
+def bench_ours(
+    folder: Path, ids: torch.Tensor, steps: int, grouped: bool, prof: bool = False
+) -> dict[str, float]:
     from policyworker.config import MoEConfig, PolicyConfig
     from policyworker.losses import NLLLoss
     from policyworker.worker import MegatronPolicyWorker
@@ -89,12 +101,14 @@ def bench_ours(folder: Path, ids: torch.Tensor, steps: int, grouped: bool) -> di
     out = {"train_s": timed(lambda: worker.train(data, NLLLoss()), steps)}
     if grouped:
         out["logprobs_s"] = timed(lambda: worker.get_logprobs(data=data), steps)
+    if prof:
+        profile_table("ours train step", lambda: worker.train(data, NLLLoss()))
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     worker.shutdown()
     return out
 
 
-def bench_hf(folder: Path, ids: torch.Tensor, steps: int) -> dict[str, float]:
+def bench_hf(folder: Path, ids: torch.Tensor, steps: int, prof: bool = False) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     if DEVICE == "cuda":
@@ -118,6 +132,8 @@ def bench_hf(folder: Path, ids: torch.Tensor, steps: int) -> dict[str, float]:
             torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
 
     out = {"train_s": timed(train_step, steps), "logprobs_s": timed(logprob_step, steps)}
+    if prof:
+        profile_table("transformers train step", train_step)
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else 0.0
     return out
 
@@ -131,15 +147,16 @@ def main() -> None:
     ):  # fmt: skip
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None, help="also write the JSON line here")
+    ap.add_argument("--profile", action="store_true", help="op tables of a train step (stderr)")
     args = ap.parse_args()
     folder, cfg, n_params = random_moe(args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEVICE)
     flops, active = active_flops(cfg, args.batch * args.seq, args.seq)
-    ours = bench_ours(folder, ids, args.steps, grouped=True)
+    ours = bench_ours(folder, ids, args.steps, grouped=True, prof=args.profile)
     free()
     sequential = bench_ours(folder, ids, args.steps, grouped=False)
     free()
-    hf = bench_hf(folder, ids, args.steps)
+    hf = bench_hf(folder, ids, args.steps, prof=args.profile)
     row = {
         "bench": "moe_train_and_logprobs",
         "device": DEVICE,

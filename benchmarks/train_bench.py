@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -114,6 +115,20 @@ def timed(step: Callable[[], None], steps: int, warmup: int = 2) -> float:
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
+
+
+def profile_table(name: str, step: Callable[[], None], rows: int = 25) -> None:
+    """One more `step()` under torch.profiler; its ops by own time (the device's on GPU) to
+    stderr — where a step's time goes, beside the timings."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync()
+    key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
+    print(f"--- profile: {name}\n{table}", file=sys.stderr, flush=True)
 
 
 def free() -> None:
