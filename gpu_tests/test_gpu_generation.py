@@ -168,3 +168,23 @@ def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
     vv = torch.where(reach[:, None, :, None], v.float(), 0.0)
     ref = _masked_grouped(q[:, :, None].float(), kk, vv, pos[None, :], q.shape[-1] ** -0.5)
     return ref[:, :, 0]
+
+
+def test_decode_kernel_large_cache():
+    """A cache of more than 2**31 elements (64 rows x 8 key heads x 32768 x 128): the last
+    rows' offsets pass int32; they equal SDPA on those rows alone."""
+    from policyworker.ops.decode_attention import decode_attention
+
+    b, heads, groups, dim, capacity = 64, 32, 8, 128, 32768
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(b, heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(b, groups, capacity, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    assert k.numel() > 2**31
+    pos = torch.full((b,), capacity - 1, device="cuda")
+    out = decode_attention(q, k, v, pos, dim**-0.5)
+    last = slice(b - 2, b)
+    want = _sdpa_decode(q[last], k[last], v[last], pos[last])
+    assert (out[last].float() - want).abs().max() <= 2e-2

@@ -61,22 +61,23 @@ def _partial_kernel(
     query heads over the split's keys below the row's length."""
     pid, split = tl.program_id(0), tl.program_id(1)
     row, group = pid // GROUPS, pid % GROUPS
-    n_keys = tl.load(pos_ptr + row) + 1
+    big = row.to(tl.int64)  # a row's offset into a large cache passes 2**31
+    n_keys = tl.load(pos_ptr + row).to(tl.int32) + 1
     lo = split * split_len
     hi = tl.minimum(lo + split_len, n_keys)
     rows, dims = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     heads = group * REP + rows
     in_dim = dims < DIM
     q = tl.load(
-        q_ptr + row * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        q_ptr + big * stride_qb + heads[:, None] * stride_qh + dims[None, :],
         mask=(rows < REP)[:, None] & in_dim[None, :],
         other=0.0,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    k_row = k_ptr + row * stride_kb + group * stride_kh
-    v_row = v_ptr + row * stride_vb + group * stride_vh
+    k_row = k_ptr + big * stride_kb + group.to(tl.int64) * stride_kh
+    v_row = v_ptr + big * stride_vb + group.to(tl.int64) * stride_vh
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         valid = keys < hi
