@@ -239,8 +239,10 @@ class _Run:
         drawn = torch.zeros(3, b, dtype=torch.float64)
         if logits is not None:
             tokens, logprobs = next_tokens(logits, self.how, self.generator)
-            tokens = torch.where(self.done.to(tokens.device), self.d.pad_id, tokens)
             drawn[:2] = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one copy
+            # a done row's token is padding: set here, on the host (a copy of `done` to the
+            # device would wait for the step's graph before the draw could be queued)
+            drawn[0] = torch.where(self.done, float(self.d.pad_id), drawn[0])
             drawn[2] = self._stops_now(drawn[0].long()).double()
         drawn = broadcast_from_last_stage(drawn, self.d.groups, device=self.d.device)
         tokens, logprobs, stop = drawn[0].long(), drawn[1].float(), drawn[2].bool()
@@ -269,11 +271,13 @@ class _Run:
         return hit
 
     def _any_active(self) -> bool:
-        flag = (~self.done).any().to(torch.int64).reshape(1).to(self.d.device)
+        active = bool((~self.done).any())  # host state: no device round trip per step
         # an expert-parallel forward exchanges tokens with every EP rank: step together
         if self.d.routes is not None and self.d.groups.ep_size > 1:
+            flag = torch.tensor([int(active)], device=self.d.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.d.groups.dp)
-        return bool(flag.item())
+            active = bool(flag.item())
+        return active
 
     def _record_routes(self, cache: KVCache, shape: tuple[int, int]) -> None:
         routes = self.d.routes
