@@ -103,7 +103,7 @@ def _partial_kernel(
 
 @functools.cache
 def _processors(device: torch.device) -> int:
-    if device.type != "cuda":
+    if device.type != "cuda":  # Triton's interpreter (tests): any count will do
         return 8
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -121,7 +121,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """q [b, np, hn] (one token per row) against the cache k/v [b, ng, capacity, hn] (last dim
     contiguous), each row reaching its keys 0..positions[row]; query head j reads key head
-    j // (np / ng). `keys` of the cache past every position are never read. -> [b, np, hn]."""
+    j // (np / ng). Cache slots past a row's position are never read. -> [b, np, hn]."""
     b, heads, dim = q.shape
     groups, capacity = k.shape[1], k.shape[2]
     rep = heads // groups
