@@ -171,11 +171,11 @@ def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.T
 
 
 def test_decode_kernel_large_cache():
-    """A cache of more than 2**31 elements (64 rows x 8 key heads x 32768 x 128): the last
+    """A cache of more than 2**31 elements (72 rows x 8 key heads x 32768 x 128): the last
     rows' offsets pass int32; they equal SDPA on those rows alone."""
     from policyworker.ops.decode_attention import decode_attention
 
-    b, heads, groups, dim, capacity = 64, 32, 8, 128, 32768
+    b, heads, groups, dim, capacity = 72, 32, 8, 128, 32768
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(b, heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
     k, v = (

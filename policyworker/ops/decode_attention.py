@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64
-"""Keys per loop iteration of a program."""
+BLOCK_N = 128
+"""Keys per loop iteration of a program (on an H100, 128 was as fast as 64 or faster at every
+batch size measured, up to 1.5x at one row)."""
 NUM_WARPS, NUM_STAGES = 4, 3
 """Triton's launch settings (its defaults)."""
 
