@@ -43,16 +43,29 @@ class Rotary(torch.nn.Module):
         super().__init__()
         self.inv_freq: torch.Tensor | None = None  # not a buffer: no checkpoint or phase state
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        angles: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """x * cos + rotate_half(x) * sin at `positions` (broadcast over x's head dims), with
-        cos/sin computed in fp32 and cast to x's dtype, as HF and megatron do."""
-        if self.inv_freq is None:
-            raise RuntimeError("SDPACoreAttention: set_rope() was not called")
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq.to(x.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        cos/sin computed in fp32 and cast to x's dtype, as HF and megatron do; `angles`: those
+        (cos, sin), already made by `angles()` for these positions."""
+        cos, sin = self.angles(positions, x.dtype) if angles is None else angles
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * emb.cos().to(x.dtype) + rotated * emb.sin().to(x.dtype)
+        return x * cos + rotated * sin
+
+    def angles(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) at `positions` [..., 1], [..., head_dim] in `dtype`."""
+        if self.inv_freq is None:
+            raise RuntimeError("SDPACoreAttention: set_rope() was not called")
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 class SDPACoreAttention(MegatronModule):

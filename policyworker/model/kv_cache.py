@@ -59,6 +59,8 @@ class KVCache:
         """A decode step's attention (`DECODE`)."""
         self.step: Step | None = None
         self.layers: list[LayerCache] = []
+        self.angles: tuple[torch.Tensor, torch.Tensor] | None = None
+        """RoPE's (cos, sin) at the current forward's positions, made by its first layer."""
 
     def layer(self) -> LayerCache:
         cache = LayerCache(self)
@@ -93,7 +95,11 @@ class LayerCache:
         assert step is not None, "KVCache: no step set"
         s, b = query.shape[:2]
         positions = step.starts[None, :] + torch.arange(s, device=query.device)[:, None]  # [s, b]
-        query, key = rotary(query, positions[..., None]), rotary(key, positions[..., None])
+        at = positions[..., None]
+        if self is self.owner.layers[0]:  # the forward's first layer: RoPE's angles for all
+            self.owner.angles = rotary.angles(at, query.dtype)  # (a dozen kernels per layer)
+        assert self.owner.angles is not None
+        query, key = rotary(query, at, self.owner.angles), rotary(key, at, self.owner.angles)
         if self.keys is None:
             shape = (b, key.shape[2], self.owner.capacity, key.shape[3])
             self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)

@@ -48,7 +48,9 @@ def next_tokens(
     logits: torch.Tensor, how: Sampling, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B] int64, its logprob [B] fp32) from one step's logits [B, V]."""
-    scaled = logits.float() / how.temperature
+    scaled = logits.float()
+    if how.temperature != 1.0:  # x / 1.0 is x: a pass over [B, V] saved per step
+        scaled = scaled / how.temperature
     logp = torch.log_softmax(scaled, dim=-1)
     if how.greedy:
         tokens = scaled.argmax(dim=-1)
