@@ -27,10 +27,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from policyworker.model.attention import SDPACoreAttention
 
 # Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
-# decode step has a new key length, every prefill a new prompt width. Decode takes the
-# memory-efficient kernel (flash takes no mask); it reads the cache at ~0.5 TB/s on an H200
-# (64-row query tiles for a step's few rows), the math backend was 3.4x slower still; our own
-# kernel (`triton_decode`) is the other choice.
+# decode step has a new key length, every prefill a new prompt width. SDPA's decode
+# (`sdpa_decode`) takes the memory-efficient kernel (flash takes no mask): it reads the cache at
+# ~0.5 TB/s on an H200 (64-row query tiles for a step's few rows), the math backend was 3.4x
+# slower still; our own kernel (`triton_decode`, the default) reads each row's keys only.
 _PREFILL = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _DECODE = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 KEY_BLOCK = 64
@@ -48,19 +48,36 @@ class Step:
     prefill: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Where:
+    """Where a forward's new tokens go, the same in every layer: positions [s, b], row indices
+    [s, b] (for writing the cache) and RoPE's (cos, sin) at the positions."""
+
+    positions: torch.Tensor
+    rows: torch.Tensor
+    angles: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, step: Step, rotary: torch.nn.Module, query: torch.Tensor) -> _Where:
+        s, b = query.shape[:2]
+        positions = step.starts[None, :] + torch.arange(s, device=query.device)[:, None]
+        rows = torch.arange(b, device=query.device)[None, :].expand(s, b)
+        return cls(positions, rows, rotary.angles(positions[..., None], query.dtype))
+
+
 class KVCache:
     """Keys and values of a batch's rows, up to `capacity` positions each (rounded up to a multiple
     of `KEY_BLOCK`), for every attention layer of this rank; layer tensors are made at their
     first write."""
 
-    def __init__(self, capacity: int, decode: DecodeAttention | None = None) -> None:
+    def __init__(self, capacity: int, decode: DecodeAttention) -> None:
         self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
-        self.decode = decode or sdpa_decode
+        self.decode = decode
         """A decode step's attention (`DECODE`)."""
         self.step: Step | None = None
         self.layers: list[LayerCache] = []
-        self.angles: tuple[torch.Tensor, torch.Tensor] | None = None
-        """RoPE's (cos, sin) at the current forward's positions, made by its first layer."""
+        self.where: _Where | None = None
+        """The current forward's positions and RoPE angles, made by its first layer."""
 
     def layer(self) -> LayerCache:
         cache = LayerCache(self)
@@ -94,19 +111,19 @@ class LayerCache:
         step = self.owner.step
         assert step is not None, "KVCache: no step set"
         s, b = query.shape[:2]
-        positions = step.starts[None, :] + torch.arange(s, device=query.device)[:, None]  # [s, b]
-        at = positions[..., None]
-        if self is self.owner.layers[0]:  # the forward's first layer: RoPE's angles for all
-            self.owner.angles = rotary.angles(at, query.dtype)  # (a dozen kernels per layer)
-        assert self.owner.angles is not None
-        query, key = rotary(query, at, self.owner.angles), rotary(key, at, self.owner.angles)
+        if self is self.owner.layers[0]:  # made once per forward, the same for every layer
+            self.owner.where = _Where.of(step, rotary, query)
+        where = self.owner.where
+        assert where is not None
+        at, angles = where.positions[..., None], where.angles
+        query, key = rotary(query, at, angles), rotary(key, at, angles)
         if self.keys is None:
             shape = (b, key.shape[2], self.owner.capacity, key.shape[3])
             self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
         assert self.values is not None
-        rows = torch.arange(b, device=query.device)[None, :].expand(s, b)
-        self.keys[rows, :, positions] = key  # advanced indices first: [s, b, ng, hn]
-        self.values[rows, :, positions] = value
+        positions = where.positions
+        self.keys[where.rows, :, positions] = key  # advanced indices first: [s, b, ng, hn]
+        self.values[where.rows, :, positions] = value
         n = step.keys_used
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
         q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
