@@ -23,7 +23,10 @@ attention counted, recompute not), peak memory; at each length transformers fits
 each of our variants' tokens/s to transformers with gradient checkpointing.
 
     python benchmarks/long_context_bench.py [--lengths 4096,8192,16384,32768,65536]
-        [--score-lengths 32768,65536,131072] [--chunk 4096] [--steps 2]
+        [--score-lengths 32768,65536,131072] [--cp-lengths 8192,16384,32768] [--chunk 4096]
+        [--steps 2] [--variants plain,chunk,...] [--hf-variants grad_ckpt,plain]
+
+An empty list (`--lengths ""`) skips that part: e.g. the scoring alone.
 """
 
 from __future__ import annotations
@@ -107,8 +110,11 @@ def bench_ours(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, An
     from policyworker.losses import NLLLoss
 
     out: dict[str, Any] = {}
+    if not args.lengths:
+        return out
     longest = max(args.lengths)
-    for name, (method, chunked) in VARIANTS.items():
+    for name in args.variants:
+        method, chunked = VARIANTS[name]
         recompute = None
         if method is not None:
             layers = args.block_layers if method == "block" else 1
@@ -135,6 +141,8 @@ def bench_scoring(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str,
     """get_logprobs of one sequence, by a worker without `logprob_chunk_size` and one with; and
     how far apart their logprobs of the shortest sequence are (chunks change matmul shapes)."""
     out: dict[str, Any] = {}
+    if not args.score_lengths:
+        return out
     first: dict[str, torch.Tensor] = {}
     for name, chunk in (("unchunked", None), ("chunked", args.chunk)):
         worker = worker_for(folder, max(args.score_lengths), None, chunk, train=False)
@@ -159,7 +167,8 @@ def bench_scoring(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str,
 
 def bench_hf(folder: Path, cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     out = {}
-    for name, ckpt in HF_VARIANTS.items():
+    for name in args.hf_variants:
+        ckpt = HF_VARIANTS[name]
         out[name] = hf_rows(folder, cfg, args, ckpt)
         free()
     return out
@@ -239,7 +248,7 @@ def with_rates(got: dict[str, float] | str, cfg: Any, length: int) -> dict[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731 ("": skip that part)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
@@ -250,6 +259,9 @@ def main() -> None:
     parser.add_argument(
         "--block-layers", type=int, default=11, help="block+chunk: layers recomputed"
     )
+    names = lambda text: [x for x in text.split(",") if x]  # noqa: E731
+    parser.add_argument("--variants", type=names, default=list(VARIANTS))
+    parser.add_argument("--hf-variants", type=names, default=list(HF_VARIANTS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--out", default=None, help="also write the JSON line here")
@@ -259,7 +271,7 @@ def main() -> None:
     folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
     ours = bench_ours(folder, cfg, args)
     scoring = bench_scoring(folder, cfg, args)
-    hf = {} if args.skip_hf else bench_hf(folder, cfg, args)
+    hf = {} if args.skip_hf or not args.lengths else bench_hf(folder, cfg, args)
     free()
     speedup = {
         name: {
@@ -271,7 +283,7 @@ def main() -> None:
     }
     fits = [
         n
-        for n, r in scoring["unchunked"].items()
+        for n, r in scoring.get("unchunked", {}).items()
         if isinstance(r, dict) and n in scoring["chunked"]
     ]
     plain_at = scoring["unchunked"][fits[-1]] if fits else None

@@ -194,6 +194,45 @@ def test_compiled_loss_ops_match_eager():
         assert err <= (2e-2 if name == "grad" else 1e-4), (name, err)
 
 
+def test_fused_rope_equals_eager_and_makes_no_temporaries():
+    """RoPE on the GPU (one compiled pass) equals the eager CPU arithmetic in fp32, and in
+    bf16 within one rounding, gradients too; its forward allocates its output and nothing
+    else of the queries' size (eager: three temporaries more)."""
+    from policyworker.model.attention import Rotary, rope
+
+    rotary = Rotary()
+    rotary.inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, 64, generator=g)
+    grad = torch.randn(512, 8, 64, generator=g)
+    positions = torch.arange(512)[:, None]
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.6e-2)):  # relative to the max
+        out = {}
+        for device in ("cpu", "cuda"):
+            xi = x.to(device, dtype, copy=True).requires_grad_()
+            y = rotary(xi, positions.to(device))
+            y.backward(grad.to(device, dtype))
+            out[device] = [y.detach().float().cpu(), xi.grad.float().cpu()]
+        errs = [
+            ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*out.values(), strict=True)
+        ]
+        RESULTS.setdefault("rope_compiled_vs_eager", {})[str(dtype)] = errs
+        assert max(errs) <= tol, (dtype, errs)
+    q = torch.randn(32768, 32, 64, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rotary.angles(torch.arange(32768, device="cuda")[:, None], q.dtype)
+    with torch.no_grad():
+        rope(q, cos, sin)  # compile outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        out = rope(q, cos, sin)
+        torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    RESULTS["rope_forward_peak_over_output"] = extra / out.nbytes
+    _dump()
+    assert extra <= 1.05 * out.nbytes, extra
+
+
 def test_compiled_reverse_kl_and_mxfp8_match_cpu():
     """The fused full-vocabulary reverse KL (value and gradients, hidden-state teacher, chunked)
     equals the eager CPU one; MXFP8 quantization on the GPU is bitwise the CPU's."""
