@@ -225,3 +225,61 @@ def test_no_more_than_one_chunk_of_the_mlp_without_grad(tmp_path, packed):
     assert 0 < seen[8] <= 8
     assert seen[None] >= 24
     assert (logprobs[8] - logprobs[None]).abs().max().item() <= 1e-6
+
+
+class _Rows(TorchDispatchMode):
+    """The most rows (first dimension) of any tensor of `width` made during the block (its
+    other dimensions; views excluded)."""
+
+    def __init__(self, width: tuple[int, ...]) -> None:
+        super().__init__()
+        self.width, self.rows = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and tuple(t.shape[1:]) == self.width:
+                    self.rows = max(self.rows, t.shape[0])
+        return out
+
+
+def test_rope_without_grad_rotates_in_place_a_chunk_at_a_time(monkeypatch):
+    """In eval mode without gradient, RoPE over more rows than `IN_PLACE_ROWS` writes over its
+    input and makes no tensor of its width with more rows than that (cos and sin are [rows, 1,
+    d]); the values are those of the out-of-place RoPE that autograd gets. In training mode
+    (a recomputed layer's gradient-free first pass) it leaves its input alone."""
+    from policyworker.model import attention
+
+    monkeypatch.setattr(attention, "IN_PLACE_ROWS", 8)
+    rotary = attention.Rotary()
+    rotary.inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+    x = torch.randn(21, 4, 16)
+    positions = torch.arange(21)[:, None]
+    want = rotary.eval()(x.clone().requires_grad_(), positions).detach()
+    with torch.no_grad():
+        assert rotary.train()(x, positions) is not x  # a recompute's first pass, say
+        with _Rows((4, 16)) as probe:
+            got = rotary.eval()(x, positions)
+    assert got is x and torch.equal(got, want)
+    assert probe.rows <= 8
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_worker_results_with_rope_in_place_are_unchanged(tmp_path, monkeypatch, packed):
+    """get_logprobs and top-k with RoPE in place (every forward of more than 8 tokens) equal
+    those without: nothing reads megatron's queries and keys after attention."""
+    from policyworker.model import attention
+
+    folder = make_hf_model(tmp_path / "m", "llama")
+    data = make_batch(batch=4, seq=24)
+    packing = SequencePackingConfig(enabled=packed, train_mb_tokens=48, logprob_mb_tokens=48)
+    worker = make_worker(folder, sequence_packing=packing)
+    out = {}
+    for rows in (10**9, 8):
+        monkeypatch.setattr(attention, "IN_PLACE_ROWS", rows)
+        topk = worker.get_topk_logits(data=data, k=3)
+        out[rows] = (worker.get_logprobs(data=data)["logprobs"], topk["topk_logits"])
+    worker.shutdown()
+    for a, b in zip(out[10**9], out[8], strict=True):
+        assert torch.equal(a, b)

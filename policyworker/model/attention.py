@@ -45,6 +45,25 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
+IN_PLACE_ROWS = 4096
+"""An inference forward (eval mode, no gradient) over more rows (tokens) than this rotates its
+input in place, this many rows at a time: at 128k tokens the rotated queries were the largest
+avoidable tensor of the peak. Not in training mode: a recomputed layer's first, gradient-free
+pass must leave what it will recompute from untouched."""
+
+
+def _rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rope` written over x, a chunk of rows at a time (temporaries of one chunk). What
+    megatron hands over — its own copy of the queries, views of the QKV output for the keys —
+    is read by nothing after attention."""
+    n = x.shape[0]
+    for a in range(0, n, IN_PLACE_ROWS):
+        rows = slice(a, a + IN_PLACE_ROWS)
+        c, s = (t[rows] if t.shape[0] == n else t for t in (cos, sin))
+        x[rows] = rope(x[rows], c, s)
+    return x
+
+
 class Rotary(torch.nn.Module):
     """RoPE of queries or keys, as HF computes it; a module of its own so that what leaves it
     (the queries and keys attention and a KV cache see) can be observed with hooks. Called
@@ -64,7 +83,9 @@ class Rotary(torch.nn.Module):
         cos/sin computed in fp32 and cast to x's dtype, as HF and megatron do; `angles`: those
         (cos, sin), already made by `angles()` for these positions."""
         cos, sin = self.angles(positions, x.dtype) if angles is None else angles
-        return rope(x, cos, sin)
+        if self.training or torch.is_grad_enabled() or x.shape[0] <= IN_PLACE_ROWS:
+            return rope(x, cos, sin)
+        return _rope_in_place(x, cos, sin)
 
     def angles(
         self, positions: torch.Tensor, dtype: torch.dtype
