@@ -37,6 +37,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
+        """Count from zero."""
         self.live: dict[int, tuple[int, str]] = {}
         self.now = self.peak = 0
         self.at_peak: list[tuple[int, str]] = []
@@ -128,7 +132,7 @@ def main() -> None:
     for name, chunk in (("unchunked", None), ("chunked", args.chunk)):
         worker = worker_for(folder, args.length, None, chunk, train=False)
         fused_like_a_gpu(probe)  # the worker has imported every module it runs
-        probe.__init__()  # counts from zero
+        probe.reset()
         with probe:
             worker.get_logprobs(data=data)
         worker.shutdown()

@@ -227,28 +227,12 @@ def test_no_more_than_one_chunk_of_the_mlp_without_grad(tmp_path, packed):
     assert (logprobs[8] - logprobs[None]).abs().max().item() <= 1e-6
 
 
-class _Rows(TorchDispatchMode):
-    """The most rows (first dimension) of any tensor of `width` made during the block (its
-    other dimensions; views excluded)."""
-
-    def __init__(self, width: tuple[int, ...]) -> None:
-        super().__init__()
-        self.width, self.rows = width, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and tuple(t.shape[1:]) == self.width:
-                    self.rows = max(self.rows, t.shape[0])
-        return out
-
-
 def test_rope_without_grad_rotates_in_place_a_chunk_at_a_time(monkeypatch):
     """In eval mode without gradient, RoPE over more rows than `IN_PLACE_ROWS` writes over its
-    input and makes no tensor of its width with more rows than that (cos and sin are [rows, 1,
-    d]); the values are those of the out-of-place RoPE that autograd gets. In training mode
-    (a recomputed layer's gradient-free first pass) it leaves its input alone."""
+    input and makes nothing of more than a chunk's head vectors (the whole input has 21 · 4;
+    cos and sin have one per row); the values are those of the out-of-place RoPE that autograd
+    gets. In training mode (a recomputed layer's gradient-free first pass) it leaves its input
+    alone."""
     from policyworker.model import attention
 
     monkeypatch.setattr(attention, "IN_PLACE_ROWS", 8)
@@ -259,10 +243,10 @@ def test_rope_without_grad_rotates_in_place_a_chunk_at_a_time(monkeypatch):
     want = rotary.eval()(x.clone().requires_grad_(), positions).detach()
     with torch.no_grad():
         assert rotary.train()(x, positions) is not x  # a recompute's first pass, say
-        with _Rows((4, 16)) as probe:
+        with _LogitRows(16) as probe:  # head vectors: tensors 16 wide
             got = rotary.eval()(x, positions)
     assert got is x and torch.equal(got, want)
-    assert probe.rows <= 8
+    assert probe.rows <= 8 * 4  # a chunk of 8 rows of 4 heads
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
