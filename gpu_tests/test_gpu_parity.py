@@ -218,6 +218,15 @@ def test_fused_rope_equals_eager_and_makes_no_temporaries():
         ]
         RESULTS.setdefault("rope_compiled_vs_eager", {})[str(dtype)] = errs
         assert max(errs) <= tol, (dtype, errs)
+    # more graphs than dynamo's default limit (8), past which it would silently run eagerly
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for shape in ((64, 4, 64), (64, 2, 4, 64)):
+            for grad in (False, True):
+                xi = torch.randn(shape, device="cuda", dtype=dtype, requires_grad=grad)
+                c, s = rotary.angles(
+                    torch.arange(64, device="cuda").view(64, *[1] * (len(shape) - 2)), dtype
+                )
+                rope(xi, c, s)
     q = torch.randn(32768, 32, 64, device="cuda", dtype=torch.bfloat16)
     cos, sin = rotary.angles(torch.arange(32768, device="cuda")[:, None], q.dtype)
     with torch.no_grad():

@@ -14,6 +14,13 @@ from typing import Any
 
 import torch
 
+RECOMPILE_LIMIT = 64
+"""Graphs dynamo keeps per compiled function (its default, 8, at least this many). One op meets a
+graph per dtype, gradient mode, tensor rank and size-1 dimension it sees: an fp32 and a bf16
+worker that train, score and decode in one process made RoPE and the RMSNorm pass the 8 (a GPU
+test session on an H100), and past the limit dynamo runs the function eagerly, silently: RoPE
+then made three temporaries of the queries' size again."""
+
 
 def cuda_compiled[F: Callable[..., Any]](fn: F) -> F:
     """`fn`, run through `torch.compile(dynamic=True)` when its first argument is a CUDA tensor."""
@@ -25,6 +32,10 @@ def cuda_compiled[F: Callable[..., Any]](fn: F) -> F:
         if not x.is_cuda:
             return fn(x, *args, **kwargs)
         if compiled is None:
+            import torch._dynamo  # what torch.compile imports anyway
+
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
             compiled = torch.compile(fn, dynamic=True)
         return compiled(x, *args, **kwargs)
 
