@@ -63,15 +63,22 @@ def _demo_rows(out: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "refit_s"} for r in rows]  # refit_s: a timing
 
 
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """An uninterrupted run that saved every step: read, never changed, by the tests below."""
+    full = tmp_path_factory.mktemp("demo_saved") / "full"
+    main([*SAVE_EVERY_STEP, "--out", str(full)])
+    return full
+
+
 @pytest.mark.processes
-def test_demo_resumes_with_the_same_rows(tmp_path):
+def test_demo_resumes_with_the_same_rows(tmp_path, saved_run):
     """Resumed from step_3 (in SFT) and from step_5 (in GRPO), the run writes the rows of an
     uninterrupted run: weights, optimizer, scheduler, data order and sampler seeds continue.
     The GRPO resume refits with sparse deltas (refit=sparse): its engine, fresh from the HF
     folder, first gets a full resync; each refit reports what it sent; only its own figures
     differ from the IPC run's."""
-    full = tmp_path / "full"
-    main(["demo", "--out", str(full), "--save-every", "1", *SMALL])
+    full = saved_run
     resumed = tmp_path / "resumed_3"
     main(["demo", "--out", str(resumed), "--resume", str(full / "checkpoints" / "step_3"), *SMALL])
     assert _demo_rows(resumed) == _demo_rows(full)
@@ -172,6 +179,7 @@ def test_demo_through_two_workers_matches_one(tmp_path, backend, one_worker_rows
 
 SMALL = ["sft_steps=4", "grpo_steps=3", "prompts_per_step=4", "group_size=4"]
 SMALL += ["micro_batch_size=8", "sft_batch=16"]
+SAVE_EVERY_STEP = ["demo", "--save-every", "1", *SMALL]
 
 
 def _exits_2(argv: list[str], capsys) -> str:
@@ -236,33 +244,29 @@ def test_bad_user_inputs_exit_2_before_any_work(tmp_path, capsys):
 
 
 @pytest.mark.processes
-def test_a_rerun_after_a_crash_continues_and_destroys_nothing(tmp_path, capsys):
+def test_a_rerun_after_a_crash_continues_and_destroys_nothing(tmp_path, capsys, saved_run):
     """A run killed between a checkpoint's commit and its loop.json: the same command again
     continues from the last complete step, replaces the incomplete one and ends with the rows
     of an uninterrupted run. A --resume older than the --out's latest step, a corrupt
     loop.json, another model's step folder: exit 2, nothing written."""
-    full, crashed = tmp_path / "full", tmp_path / "crashed"
-    command = ["demo", "--save-every", "2", *SMALL]
-    main([*command, "--out", str(full)])
+    full, crashed = saved_run, tmp_path / "crashed"
+    command = SAVE_EVERY_STEP
     import shutil
 
     shutil.copytree(full, crashed)
-    shutil.rmtree(crashed / "checkpoints" / "step_6")
-    (crashed / "checkpoints" / "step_4" / "loop.json").unlink()  # killed before it was written
+    shutil.rmtree(crashed / "checkpoints" / "step_7")
+    (crashed / "checkpoints" / "step_6" / "loop.json").unlink()  # killed before it was written
     metrics = crashed / "metrics.jsonl"
-    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:5]))
+    metrics.write_text("".join(metrics.read_text().splitlines(keepends=True)[:6]))
     main([*command, "--out", str(crashed)])
     assert _demo_rows(crashed) == _demo_rows(full)
-    assert sorted(p.name for p in (crashed / "checkpoints").iterdir()) == [
-        "step_2",
-        "step_4",
-        "step_6",
-    ]
+    steps = sorted(p.name for p in (crashed / "checkpoints").iterdir())
+    assert steps == [f"step_{i}" for i in range(1, 8)]
 
     before = (full / "metrics.jsonl").read_text()
     step_2 = full / "checkpoints" / "step_2"
     err = _exits_2([*command, "--out", str(full), "--resume", str(step_2)], capsys)
-    assert "later complete steps [4, 6]" in err
+    assert "later complete steps [3, 4, 5, 6, 7]" in err
     corrupt = Path(shutil.copytree(step_2, tmp_path / "corrupt"))
     (corrupt / "loop.json").write_text("{not json")
     err = _exits_2([*command, "--out", str(tmp_path / "new"), "--resume", str(corrupt)], capsys)
