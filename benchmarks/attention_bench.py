@@ -1,36 +1,76 @@
-"""Attention of one packed sequence (a bin that one row fills), forward + backward, one GPU.
+"""Attention of one long packed row, forward + backward, one GPU: the flash varlen kernel every
+packed bin takes (the baseline) against plain causal SDPA (the candidate for a bin that one row
+fills), warm and on a sequence length it has not seen.
 
-The baseline is the flash varlen kernel every packed bin took before (`_varlen_cuda`); ours is
-what such a bin takes now (`_one_sequence`: plain causal SDPA, whose kernel torch picks — cuDNN
-on Hopper). For reference, SDPA pinned to each of its backends. The attention of train_bench's
-~1.6B model: 32 query heads over 8 key/value heads of 64, bf16, `[tokens, heads, 64]` as
-megatron hands them over. Milliseconds per call (CUDA events, mean of `--repeats`).
+SDPA's default on Hopper is cuDNN's attention, faster per call than flash, but cuDNN builds a
+graph for each new shape; RL rows all differ in length, so the first call at a new length is
+what a training step pays. `--avoid-recompile` sets `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`
+(PyTorch's opt-in to cuDNN's variable-length path) before anything runs. The attention of
+train_bench's ~1.6B model: 32 query heads over 8 key/value heads of 64, bf16, `[tokens, heads,
+64]` as megatron hands them over.
 
-    python benchmarks/attention_bench.py [--lengths 16384,32768] [--repeats 5]
+    python benchmarks/attention_bench.py [--lengths 16384,32768] [--repeats 5] [--avoid-recompile]
+
+Per length: milliseconds per call when warm (CUDA events, mean of `--repeats`), and the mean
+first call at three new lengths (length + 128·i, i = 1..3; wall time, synchronized) minus the
+warm call: the per-length cost.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import emit
 
 HEADS, KV_HEADS, DIM = 32, 8, 64
-BACKENDS = {
-    "flash": SDPBackend.FLASH_ATTENTION,
-    "cudnn": SDPBackend.CUDNN_ATTENTION,
-    "efficient": SDPBackend.EFFICIENT_ATTENTION,
-}
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def milliseconds(call: Callable[[], None], repeats: int) -> float:
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from policyworker.model.attention import _varlen_cuda
+
+    t = q.shape[0]
+    cu = torch.tensor([0, t], dtype=torch.int32, device=q.device)
+    params = PackedSeqParams(qkv_format="thd", max_seqlen_q=t, max_seqlen_kv=t)
+    return _varlen_cuda(q, k, v, cu, cu, params, DIM**-0.5)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The one row as [1, heads, tokens, dim] views, causal, torch's choice of kernel."""
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q4, k4, v4, is_causal=True, scale=DIM**-0.5, enable_gqa=True
+    )
+    return out[0].transpose(0, 1)
+
+
+def inputs(length: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(length)
+    return [
+        torch.randn(
+            length, h, DIM, generator=g, device="cuda", dtype=torch.bfloat16
+        ).requires_grad_()
+        for h in (HEADS, KV_HEADS, KV_HEADS)
+    ]
+
+
+def warm_ms(kernel: Kernel, x: list[torch.Tensor], repeats: int, backward: bool) -> float:
+    def call() -> None:
+        out = kernel(*x)
+        if backward:
+            out.sum().backward()
+
     for _ in range(2):
         call()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -43,37 +83,28 @@ def milliseconds(call: Callable[[], None], repeats: int) -> float:
     return start.elapsed_time(end) / repeats
 
 
-def row(length: int, repeats: int) -> dict[str, object]:
-    from megatron.core.packed_seq_params import PackedSeqParams
+def first_call_ms(kernel: Kernel, length: int) -> float:
+    """Forward + backward at lengths not seen before, the first call each (wall time)."""
+    times = []
+    for i in (1, 2, 3):
+        x = inputs(length + 128 * i)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        kernel(*x).sum().backward()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return sum(times) / len(times)
 
-    from policyworker.model.attention import _one_sequence, _varlen_cuda
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (
-        torch.randn(length, h, DIM, generator=g, device="cuda", dtype=torch.bfloat16)
-        for h in (HEADS, KV_HEADS, KV_HEADS)
-    )
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    cu = torch.tensor([0, length], dtype=torch.int32, device="cuda")
-    params = PackedSeqParams(qkv_format="thd", max_seqlen_q=length, max_seqlen_kv=length)
-    scale = DIM**-0.5
-    kernels: dict[str, Callable[[], torch.Tensor]] = {
-        "varlen": lambda: _varlen_cuda(q, k, v, cu, cu, params, scale),
-        "ours": lambda: _one_sequence(q, k, v, scale),
-    }
-    out: dict[str, object] = {}
-    for name, kernel in kernels.items():
-        out[f"{name}_fwd_ms"] = milliseconds(lambda f=kernel: f(), repeats)
-        out[f"{name}_fwd_bwd_ms"] = milliseconds(lambda f=kernel: f().sum().backward(), repeats)
-    for name, backend in BACKENDS.items():
-        try:
-            with sdpa_kernel([backend]):
-                out[f"sdpa_{name}_fwd_bwd_ms"] = milliseconds(
-                    lambda: _one_sequence(q, k, v, scale).sum().backward(), repeats
-                )
-        except RuntimeError as error:  # a backend that takes no grouped heads, or this shape
-            out[f"sdpa_{name}_fwd_bwd_ms"] = f"unavailable: {str(error)[:80]}"
-    out["speedup_fwd_bwd"] = out["varlen_fwd_bwd_ms"] / out["ours_fwd_bwd_ms"]  # type: ignore[operator]
+def row(length: int, repeats: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, kernel in (("varlen", varlen), ("sdpa", sdpa)):
+        x = inputs(length)
+        out[f"{name}_fwd_ms"] = warm_ms(kernel, x, repeats, backward=False)
+        out[f"{name}_fwd_bwd_ms"] = warm_ms(kernel, x, repeats, backward=True)
+        first = first_call_ms(kernel, length)
+        out[f"{name}_new_length_extra_ms"] = first - out[f"{name}_fwd_bwd_ms"]
+    out["sdpa_speedup_warm"] = out["varlen_fwd_bwd_ms"] / out["sdpa_fwd_bwd_ms"]
     return out
 
 
@@ -82,13 +113,21 @@ def main() -> None:
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     parser.add_argument("--lengths", type=ints, default=[16384, 32768])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--avoid-recompile", action="store_true")
     parser.add_argument("--out", default=None, help="also write the JSON line here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_bench measures GPU kernels: it needs CUDA")
+    if args.avoid_recompile:
+        os.environ["TORCH_CUDNN_SDPA_AVOID_RECOMPILE"] = "1"
     rows = {str(n): row(n, args.repeats) for n in args.lengths}
     emit(
-        {"bench": "attention_one_sequence", "device": torch.cuda.get_device_name(), **rows},
+        {
+            "bench": "attention_one_row",
+            "device": torch.cuda.get_device_name(),
+            "avoid_recompile": args.avoid_recompile,
+            **rows,
+        },
         args.out,
     )
 

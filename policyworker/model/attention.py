@@ -205,23 +205,8 @@ class SDPACoreAttention(MegatronModule):
         )
         # flash varlen kernels take only half precision; fp32 uses the exact per-sequence path.
         if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
-            if params.max_seqlen_q is not None and int(params.max_seqlen_q) == query.shape[0]:
-                return _one_sequence(query, key, value, self.softmax_scale)
             return _varlen_cuda(query, key, value, cu_q, cu_k, params, self.softmax_scale)
         return _varlen_reference(query, key, value, cu_q, self.softmax_scale)
-
-
-def _one_sequence(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """A pack whose one (padded) sequence fills it — every long sequence at 16k-128k — as plain
-    causal SDPA: torch picks its fastest kernel for it (cuDNN on Hopper), which the varlen
-    kernel cannot use. The padding after the sequence attends causally too and is discarded."""
-    q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # [1, h, t, d]
-    out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return out[0].transpose(0, 1)
 
 
 def _varlen_cuda(
