@@ -5,7 +5,9 @@ fills), warm and on a sequence length it has not seen.
 SDPA's default on Hopper is cuDNN's attention, faster per call than flash, but cuDNN builds a
 graph for each new shape; RL rows all differ in length, so the first call at a new length is
 what a training step pays. `--avoid-recompile` sets `TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`
-(PyTorch's opt-in to cuDNN's variable-length path) before anything runs. The attention of
+(PyTorch's opt-in to cuDNN's variable-length path) before anything runs; `sdpa_bucketed` pads
+the row to a multiple of 1024 tokens, so that lengths share graphs (the three new lengths fall in
+one bucket: only the first builds). The attention of
 train_bench's ~1.6B model: 32 query heads over 8 key/value heads of 64, bf16, `[tokens, heads,
 64]` as megatron hands them over.
 
@@ -55,6 +57,18 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+BUCKET = 1024
+
+
+def sdpa_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`sdpa` on the row padded at its end to a multiple of BUCKET tokens (causal: exact for the
+    real tokens), so that lengths share cuDNN graphs; the padding's output is dropped."""
+    t = q.shape[0]
+    pad = -t % BUCKET
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    return sdpa(q, k, v)[:t]
+
+
 def inputs(length: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(length)
     return [
@@ -98,13 +112,14 @@ def first_call_ms(kernel: Kernel, length: int) -> float:
 
 def row(length: int, repeats: int) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name, kernel in (("varlen", varlen), ("sdpa", sdpa)):
+    for name, kernel in (("varlen", varlen), ("sdpa", sdpa), ("sdpa_bucketed", sdpa_bucketed)):
         x = inputs(length)
         out[f"{name}_fwd_ms"] = warm_ms(kernel, x, repeats, backward=False)
         out[f"{name}_fwd_bwd_ms"] = warm_ms(kernel, x, repeats, backward=True)
         first = first_call_ms(kernel, length)
         out[f"{name}_new_length_extra_ms"] = first - out[f"{name}_fwd_bwd_ms"]
     out["sdpa_speedup_warm"] = out["varlen_fwd_bwd_ms"] / out["sdpa_fwd_bwd_ms"]
+    out["sdpa_bucketed_speedup_warm"] = out["varlen_fwd_bwd_ms"] / out["sdpa_bucketed_fwd_bwd_ms"]
     return out
 
 
