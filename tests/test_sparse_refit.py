@@ -289,11 +289,14 @@ def test_two_producers_each_send_their_share(llama_dir):
     try:
         import threading
 
+        # exported here, once: a producer is its own rank in a run, and two threads exporting
+        # from one worker at once would run its (gloo) collectives concurrently
+        exported = list(worker.export_hf_weights())
         stats = []
         threads = [
             threading.Thread(
                 target=lambda s=s: stats.append(
-                    stream(s, export(), [receiver.address], transfer_id="t", timeout_s=10)
+                    stream(s, iter(exported), [receiver.address], transfer_id="t", timeout_s=10)
                 )
             )
             for s in sources
