@@ -21,6 +21,7 @@ warm call: the per-length cost.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -37,15 +38,22 @@ HEADS, KV_HEADS, DIM = 32, 8, 64
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+@functools.cache
+def one_row_pack(t: int) -> tuple[torch.Tensor, object]:
+    """(cu_seqlens, PackedSeqParams) of a bin that one row of t tokens fills, made once per
+    length: a packed step makes them once per micro-batch, not per layer, so not inside the
+    timed calls either."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    return cu, PackedSeqParams(qkv_format="thd", max_seqlen_q=t, max_seqlen_kv=t)
+
+
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     from policyworker.model.attention import _varlen_cuda
 
-    t = q.shape[0]
-    cu = torch.tensor([0, t], dtype=torch.int32, device=q.device)
-    params = PackedSeqParams(qkv_format="thd", max_seqlen_q=t, max_seqlen_kv=t)
-    return _varlen_cuda(q, k, v, cu, cu, params, DIM**-0.5)
+    cu, params = one_row_pack(q.shape[0])
+    return _varlen_cuda(q, k, v, cu, cu, params, DIM**-0.5)  # type: ignore[arg-type]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
