@@ -3,7 +3,12 @@
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from policyworker.model.attention import _varlen_reference
+from policyworker.model.attention import (
+    _one_sequence,
+    _varlen_reference,
+    bucketed_length,
+    causal_sdpa,
+)
 
 
 def test_thd_reference_matches_per_sequence_padded_sdpa():
@@ -25,6 +30,39 @@ def test_thd_reference_matches_per_sequence_padded_sdpa():
         assert torch.allclose(out[start : start + n], ref.transpose(0, 1), atol=1e-6)
     assert (out[sum(lengths) :] == 0).all()
     assert PackedSeqParams(qkv_format="thd").qkv_format == "thd"
+
+
+def test_bucketed_lengths_are_few_and_close():
+    assert [bucketed_length(s) for s in (1, 2, 3, 5, 600, 1024, 1025, 16384, 16385)] == [
+        1, 2, 4, 8, 1024, 1024, 2048, 16384, 17408,
+    ]  # fmt: skip
+    lengths = range(1024, 65537)
+    assert len({bucketed_length(s) for s in lengths}) == 64  # 1024, 2048, ..., 65536
+    assert all(0 <= bucketed_length(s) - s < 1024 for s in lengths)
+
+
+def test_bucketed_causal_sdpa_equals_plain_values_and_gradients():
+    """Padding the sequence to its bucket changes nothing a real token sees, forward or back
+    (the GPU's one-row packs and padded batches take this path; here on the CPU, in fp32)."""
+    torch.manual_seed(0)
+    s = 1100  # bucket 2048: almost half of the padded row is padding
+    q, k, v = (torch.randn(2, h, s, 8, requires_grad=True) for h in (4, 2, 2))
+    plain = causal_sdpa(q, k, v, 0.3)
+    grads = torch.autograd.grad(plain.square().sum(), (q, k, v))
+    padded = causal_sdpa(q, k, v, 0.3, bucketed=True)
+    assert padded.shape == plain.shape
+    torch.testing.assert_close(padded, plain, rtol=0, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(padded.square().sum(), (q, k, v)), grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_one_sequence_pack_equals_the_varlen_reference():
+    torch.manual_seed(0)
+    t = 300
+    q, k, v = (torch.randn(t, h, 8) for h in (4, 2, 2))
+    cu = torch.tensor([0, t])
+    want = _varlen_reference(q, k, v, cu, 0.3)
+    torch.testing.assert_close(_one_sequence(q, k, v, 0.3), want, rtol=0, atol=1e-6)
 
 
 def test_packed_forward_through_megatron_matches_padded(llama_dir):

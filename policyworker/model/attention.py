@@ -159,15 +159,7 @@ class SDPACoreAttention(MegatronModule):
         query, key = self.rotary(query, positions), self.rotary(key, positions)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=dropout_p,
-            is_causal=True,
-            scale=self.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        out = causal_sdpa(q, k, v, self.softmax_scale, dropout_p, bucketed=_half_on_gpu(query))
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
@@ -186,7 +178,7 @@ class SDPACoreAttention(MegatronModule):
         positions = plan.positions[:, None]
         query, key = self.rotary(query, positions), self.rotary(key, positions)
         key, value = split.gather_keys(key), split.gather_keys(value)  # [T, ng, hn]
-        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        if _half_on_gpu(query):
             return _context_blocks_cuda(query, key, value, plan, self.softmax_scale)
         return _context_blocks_reference(query, key, value, plan, self.softmax_scale)
 
@@ -204,9 +196,65 @@ class SDPACoreAttention(MegatronModule):
             else params.cu_seqlens_kv
         )
         # flash varlen kernels take only half precision; fp32 uses the exact per-sequence path.
-        if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        if _half_on_gpu(query):
+            if params.max_seqlen_q is not None and int(params.max_seqlen_q) == query.shape[0]:
+                return _one_sequence(query, key, value, self.softmax_scale)
             return _varlen_cuda(query, key, value, cu_q, cu_k, params, self.softmax_scale)
         return _varlen_reference(query, key, value, cu_q, self.softmax_scale)
+
+
+SDPA_BUCKET = 1024
+
+
+def bucketed_length(s: int) -> int:
+    """s rounded up so that the lengths a run meets share few kernel plans: to a power of two
+    up to `SDPA_BUCKET` tokens, then to a multiple of it (at most 1023 more tokens: 6% at 16k)."""
+    quantum = min(SDPA_BUCKET, 1 << (s - 1).bit_length()) if s > 1 else 1
+    return -(-s // quantum) * quantum
+
+
+def causal_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    dropout_p: float = 0.0,
+    bucketed: bool = False,
+) -> torch.Tensor:
+    """Causal attention of queries [b, np, s, hn] over keys/values [b, ng, s, hn]. `bucketed`
+    pads s at the end to `bucketed_length(s)` and drops the padding's output, which is exact
+    for every real token under a causal mask. On Hopper torch runs cuDNN's attention here, which
+    builds a graph per new shape (~130 ms each on an H100: `benchmarks/attention_bench.py`),
+    and an RL batch's lengths all differ: bucketed, a run builds one per 1024 tokens of length."""
+    s = q.shape[2]
+    pad = bucketed_length(s) - s if bucketed else 0
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        dropout_p=dropout_p,
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[:, :, :s] if pad else out
+
+
+def _half_on_gpu(x: torch.Tensor) -> bool:
+    """Whether attention on x takes the GPU's half-precision kernels (flash varlen, cuDNN)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _one_sequence(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """A pack that one (padded) sequence fills — every long sequence — as bucketed causal SDPA
+    on one row: cuDNN's attention, 1.5x the varlen kernel forward and backward at 16k-32k
+    tokens on an H100. The padding after the sequence attends causally too and is dropped."""
+    q, k, v = (x.transpose(0, 1)[None] for x in (query, key, value))  # [1, h, t, d]
+    return causal_sdpa(q, k, v, scale, bucketed=True)[0].transpose(0, 1)
 
 
 def _varlen_cuda(
