@@ -179,6 +179,30 @@ def test_one_sequence_pack_takes_sdpa_and_matches_reference():
     assert (out.float() - varlen.float()).abs().max() <= 2e-2
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_moe_layer_makes_no_host_sync(tmp_path, arch):
+    """An MoE layer on one rank (grouped experts, the default) runs forward and backward without
+    one device-to-host synchronization (torch's sync debug mode raises on any): megatron's
+    dispatcher read the per-expert token counts back to the host in every layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    kw = dict(MEDIUM, moe_intermediate_size=176)
+    if arch == "qwen3_moe":
+        kw["head_dim"] = 64
+    worker = _worker(make_hf_model(tmp_path, arch, **kw), "bfloat16")
+    layer = next(m for m in worker.state.model.modules() if isinstance(m, MoELayer))
+    hidden = torch.randn(300, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    layer(hidden)[0].float().square().sum().backward()  # warm: first calls may sync (allocator)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = layer(hidden)[0]
+        out.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(hidden.grad).all()
+
+
 def test_train_mbs_invariance_fp32_gpu(tmp_path):
     folder = make_hf_model(tmp_path, "qwen2", **MEDIUM)
     data = make_batch(batch=4, seq=64, vocab=1024)

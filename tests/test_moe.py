@@ -312,12 +312,14 @@ def test_moe_options_are_checked():
 
 @pytest.mark.parametrize("case", ["qwen2_moe", "mixtral"])
 def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
-    """The grouped-GEMM experts and megatron's SequentialMLP: the same logprobs and gradients
-    (fp32, CPU) on the same parameters; the modules are what the option says."""
+    """The grouped-GEMM experts with their sync-free dispatcher, and megatron's SequentialMLP
+    with megatron's: the same logprobs and gradients (fp32, CPU) on the same parameters; the
+    modules are what the option says."""
     from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from policyworker.config import MoEConfig
-    from policyworker.model.grouped_experts import GroupedExperts
+    from policyworker.model.grouped_experts import GroupedExperts, LocalTokenDispatcher
 
     folder = _model(tmp_path, case)
     data = make_batch(batch=4, seq=12)
@@ -326,6 +328,8 @@ def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
         worker = make_worker(folder, moe=MoEConfig(moe_grouped_gemm=grouped))
         experts = [m for m in worker.state.model.modules() if isinstance(m, SequentialMLP)]
         assert experts and all(isinstance(m, GroupedExperts) == grouped for m in experts)
+        layers = [m for m in worker.state.model.modules() if isinstance(m, MoELayer)]
+        assert all(isinstance(m.token_dispatcher, LocalTokenDispatcher) == grouped for m in layers)
         out[grouped] = (worker.get_logprobs(data=data)["logprobs"], _worker_grads(worker, data))
     (lp_g, grads_g), (lp_s, grads_s) = out[True], out[False]
     assert (lp_g - lp_s).abs().max().item() <= 1e-6

@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_layer import (
 from policyworker.config import MoEConfig, RecomputeConfig
 from policyworker.model.attention import SDPACoreAttention
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
-from policyworker.model.grouped_experts import GroupedExperts
+from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
 from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
 from policyworker.model.norm import RMSNorm
 from policyworker.ops.logprobs import Head
@@ -149,7 +149,8 @@ def layer_spec(
 ) -> TransformerBlockSubmodules:
     """Pre-norm decoder layers of megatron modules, one per entry of `moe_layers` (an MoE layer
     of `num_experts` experts where True, a dense MLP where False), plus the final norm.
-    `grouped`: the experts run on grouped GEMMs (`GroupedExperts`), not SequentialMLP's loop."""
+    `grouped`: the experts run on grouped GEMMs (`GroupedExperts`), not SequentialMLP's loop, in a
+    `GroupedMoELayer` (no host sync per layer where every expert is local)."""
     dense = _dense_layer(qk_norm=qk_norm)
     if not any(moe_layers):
         return TransformerBlockSubmodules(layer_specs=[dense] * len(moe_layers), layer_norm=RMSNorm)
@@ -157,7 +158,7 @@ def layer_spec(
     if grouped:  # the same submodules, GroupedExperts in SequentialMLP's place
         parts = mlp.keywords["submodules"]
         experts = partial(GroupedExperts, **parts.experts.keywords)
-        mlp = partial(mlp.func, submodules=replace(parts, experts=experts))
+        mlp = partial(GroupedMoELayer, submodules=replace(parts, experts=experts))
     moe = ModuleSpec(module=TransformerLayer, submodules=replace(dense.submodules, mlp=mlp))
     layers = [moe if is_moe else dense for is_moe in moe_layers]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)

@@ -8,13 +8,25 @@ gated MLP on the token groups the dispatcher sorted by expert (`tokens_per_exper
 a copy of the expert weights per micro-batch (its backward hands each expert its gradient), the
 price of keeping SequentialMLP's layout. The arithmetic is SequentialMLP's: silu(gate) · up,
 times the router probability, cast back to the activation dtype, then fc2.
+
+`GroupedMoELayer` is megatron's MoELayer with these experts; where every expert is local (expert
+parallel and expert tensor parallel 1, dropless, all-to-all dispatch) it routes through
+`LocalTokenDispatcher`, which never reads the per-expert token counts back to the host: megatron's
+dispatcher synchronized with the device once per MoE layer for them (for SequentialMLP's split and
+for its sort by local expert, the identity on one rank), leaving the GPU idle while the host
+caught up.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class GroupedExperts(SequentialMLP):
@@ -38,3 +50,56 @@ class GroupedExperts(SequentialMLP):
         inner = config.activation_func(gate) * up
         inner = (inner * permuted_probs.unsqueeze(-1)).to(inner.dtype)
         return F.grouped_mm(inner, fc2.transpose(1, 2), offs=ends), None
+
+
+class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Megatron's all-to-all dispatcher where every expert is on this rank: the tokens are
+    permuted by expert as megatron does, and the per-expert counts stay on the device, where
+    `GroupedExperts` reads them (its grouped GEMMs take device offsets). The sort by local
+    expert after the exchange, and its inverse, are identities with one rank and are skipped."""
+
+    def _maybe_dtoh_and_synchronize(
+        self, point: str, tokens_per_expert: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return tokens_per_expert
+
+    def dispatch_postprocess(
+        self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens_per_expert, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+
+class GroupedMoELayer(MoELayer):
+    """MoELayer whose dispatcher is `LocalTokenDispatcher` where that is exact: all-to-all
+    dispatch, one expert-parallel and one expert-tensor-parallel rank, no token dropping or
+    padding, no shared-expert overlap; megatron's own dispatcher otherwise."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: MoESubmodules | None = None,
+        layer_number: int | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+        **kwargs: object,
+    ) -> None:
+        pg_collection = pg_collection or get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection, **kwargs)
+        megatrons = self.token_dispatcher
+        if (
+            type(megatrons) is MoEAlltoAllTokenDispatcher
+            and megatrons.ep_size == 1
+            and megatrons.tp_size == 1
+            and config.moe_expert_capacity_factor is None
+            and not config.moe_router_padding_for_quantization
+            and megatrons.shared_experts is None
+        ):
+            self.token_dispatcher = LocalTokenDispatcher(
+                self.num_local_experts,
+                self.local_expert_indices,
+                config=config,
+                pg_collection=pg_collection,
+            )
