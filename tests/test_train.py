@@ -1,6 +1,7 @@
 """train(): invariance to micro-batch size, eval mode, learning, reference swap, NaN skip."""
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -99,14 +100,23 @@ class _NaNLoss(NLLLoss):
         return loss * float("nan"), metrics
 
 
-def test_non_finite_gradient_skips_the_step(llama_dir):
-    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2))
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_non_finite_gradient_skips_the_step(llama_dir, precision):
+    """The skip happens on the device (fused AdamW's found_inf): weights, fp32 masters, Adam's
+    moments and step counts stay bitwise as they were, after a step that did apply."""
+    from policyworker.train.optimizer import optimizer_tensors
+
+    worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), precision=precision)
     data = make_batch(batch=4, seq=12)
+    assert worker.train(data, NLLLoss())["skipped_steps"] == 0
     before = _params(worker)
+    state = [t.clone() for t in optimizer_tensors(worker.state.optimizer)]
     metrics = worker.train(data, _NaNLoss())
-    assert metrics["skipped_steps"] == 1
+    assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
     assert all(torch.equal(before[n], p) for n, p in _params(worker).items())
-    assert worker.state.scheduler.num_steps == 0
+    after = list(optimizer_tensors(worker.state.optimizer))
+    assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
+    assert worker.state.scheduler.num_steps == 1
     # the worker still trains afterwards
     assert worker.train(data, NLLLoss())["skipped_steps"] == 0
 

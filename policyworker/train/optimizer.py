@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
@@ -92,9 +91,11 @@ def optimizer_step(
     *,
     max_grad_norm: float,
     device: torch.device,
-    grad_divisor: float = 1.0,
-) -> tuple[bool, float]:
-    """Clip by the global grad norm and step; returns (applied, grad norm before clipping).
+    grad_divisor: torch.Tensor | float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip by the global grad norm and step, reading nothing back to the host: returns
+    (applied, grad norm before clipping) as device scalars (bool, fp64), for the caller to read
+    after it has queued its other work — the host goes on while the device steps.
 
     The gradients in the buffers are `grad_divisor` times the true ones (a step normalized after
     the fact, `train.lifecycle`): the division is folded into the same `grad_scale` as the clip,
@@ -102,23 +103,25 @@ def optimizer_step(
 
     The phases of megatron's own `step()`, on its optimizer, with torch's multi-tensor ops: without
     TE/apex megatron's helpers loop per tensor (its l2 norm syncs the host once per tensor, its
-    clip and master->model copy allocate a temporary per tensor). Here: one multi-tensor norm and
-    one host sync; the clip folded into fused AdamW's `grad_scale` (the kernel divides each
-    gradient as it reads it); one multi-tensor master->model copy. A non-finite norm (NaN or inf
-    in any gradient, on any rank of the grad-stats group) applies nothing.
+    clip and master->model copy allocate a temporary per tensor). Here: one multi-tensor norm,
+    the clip folded into fused AdamW's `grad_scale` (the kernel divides each gradient as it reads
+    it), one multi-tensor master->model copy. A non-finite norm (NaN or inf in any gradient, on
+    any rank of the grad-stats group) applies nothing: fused AdamW's `found_inf` skips the update
+    on the device (weights, moments and step counts untouched), and the copy writes back the
+    unchanged masters.
     """
     parts = optimizer_parts(optimizer)
     for part in parts:
         part.prepare_grads()  # main params' .grad <- DDP's fp32 main_grad (views, no copy)
-    norm = global_grad_norm(parts, device) / grad_divisor
-    if not math.isfinite(norm):
-        return False, norm
-    clip = (norm + 1.0e-6) / max_grad_norm if max_grad_norm > 0 else 1.0
-    divisor = grad_divisor * max(clip, 1.0)
-    grad_scale = torch.full((), divisor, device=device) if divisor != 1.0 else None
+    divisor = torch.as_tensor(grad_divisor, dtype=torch.float64, device=device)
+    norm = global_grad_norm(parts, device) / divisor
+    applied = torch.isfinite(norm)
+    clip = (norm + 1.0e-6) / max_grad_norm if max_grad_norm > 0 else torch.ones_like(norm)
+    grad_scale = (divisor * clip.clamp_min(1.0)).float()
+    found_inf = (~applied).float()
     for part in parts:
         torch_opt = part.optimizer
-        torch_opt.grad_scale = grad_scale  # type: ignore[attr-defined]  # read by Adam.step
+        torch_opt.grad_scale, torch_opt.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]  # read by Adam.step
         try:
             if isinstance(part, DistributedOptimizer):
                 # its step: Adam on this rank's shard, shard -> param buffer, all-gather params
@@ -126,12 +129,12 @@ def optimizer_step(
             else:
                 torch_opt.step()
         finally:
-            torch_opt.grad_scale = None  # type: ignore[attr-defined]
+            torch_opt.grad_scale = torch_opt.found_inf = None  # type: ignore[attr-defined]
         if isinstance(part, Float16OptimizerWithFloat16Params):
             model = [p for g in part.float16_groups for p in g]
             main = [p for g in part.fp32_from_float16_groups for p in g]
             torch._foreach_copy_(model, main)
-    return True, norm
+    return applied, norm
 
 
 def optimizer_tensors(optimizer: MegatronOptimizer | None) -> Iterator[torch.Tensor]:
@@ -166,8 +169,8 @@ def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
     return total
 
 
-def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> float:
-    """L2 norm of all gradients, each counted once (megatron drops TP duplicates and shared
+def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> torch.Tensor:
+    """L2 norm (an fp64 device scalar) of all gradients, each counted once (megatron drops TP duplicates and shared
     embeddings from `get_grads_for_grad_norm`), summed over each part's grad-stats group."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for part in parts:
@@ -177,7 +180,7 @@ def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> fl
             sq += torch.stack(torch._foreach_norm(grads)).float().square().sum()
         dist.all_reduce(sq, group=part.get_grad_stats_parallel_group())
         total += sq[0]
-    return math.sqrt(float(total))
+    return total.double().sqrt()
 
 
 def build_scheduler(

@@ -154,26 +154,28 @@ def finish_step(
     device: torch.device,
     overlap: Overlap | None = None,
 ) -> StepResult:
-    """Reduce, normalize, clip, step the optimizer and the scheduler; the metrics of the step."""
+    """Reduce, normalize, clip, step the optimizer and the scheduler; the metrics of the step.
+    The optimizer step is queued before the metrics are computed and nothing is read back in
+    between, so the host's bookkeeping runs while the device steps."""
     spec = step.spec
     counts = spec.known_counts or sum_over_dp(step.local_counts, groups.dp)
-    metrics, per_mb = _metrics(step, counts, groups)
-    metrics |= {name: float(value) for name, value in counts.items()}
-    metrics["num_microbatches"] = float(step.num_microbatches)
     lr = float(optimizer.param_groups[0]["lr"])
     if spec.eval_mode:
+        metrics, per_mb = _step_metrics(step, counts, groups)
         return StepResult(metrics, grad_norm=0.0, skipped=False, lr=lr, per_microbatch=per_mb)
     if overlap is not None:
         overlap.dispatch_grad_reduces()
     finalize_model_grads([ddp], num_tokens=None)
-    divisor = 1.0
+    divisor: torch.Tensor | float = 1.0
     if spec.known_counts is None:
         normalizer = spec.loss_fn.normalizer
         assert normalizer is not None  # open_step refused the others
-        divisor = float(counts[normalizer]) + EPS  # applied inside the optimizer's kernel
-    applied, grad_norm = optimizer_step(
+        divisor = counts[normalizer].double() + EPS  # applied inside the optimizer's kernel
+    applied_on_device, norm = optimizer_step(
         optimizer, max_grad_norm=max_grad_norm, device=device, grad_divisor=divisor
     )
+    metrics, per_mb = _step_metrics(step, counts, groups)
+    applied, grad_norm = bool(applied_on_device), float(norm)
     if applied:
         scheduler.step(increment=1)
         if overlap is not None:
@@ -184,6 +186,16 @@ def finish_step(
     return StepResult(
         metrics, grad_norm=grad_norm, skipped=not applied, lr=lr, per_microbatch=per_mb
     )
+
+
+def _step_metrics(
+    step: OpenStep, counts: dict[str, torch.Tensor], groups: Groups
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """The loss's metrics (`_metrics`) with the step's counts and micro-batch count."""
+    metrics, per_mb = _metrics(step, counts, groups)
+    metrics |= {name: float(value) for name, value in counts.items()}
+    metrics["num_microbatches"] = float(step.num_microbatches)
+    return metrics, per_mb
 
 
 def check_batch_sizes(*, gbs: int, mbs: int, rows: int, dp: int) -> int:
