@@ -84,17 +84,24 @@ class RouteCounts:
             for t in (total, moe, replayed, balance):
                 dist.all_reduce(t)
         per_layer = (total[moe > 0] // self.copies).double()
-        if per_layer.numel() == 0 or per_layer.sum() == 0:  # no MoE layer, or a forward-only step
+        if per_layer.numel() == 0:  # no MoE layer
             return {}
-        mean = per_layer.mean(dim=1).clamp_min(1e-12)
-        cv = per_layer.std(dim=1, correction=0) / mean
+        cv = per_layer.std(dim=1, correction=0) / per_layer.mean(dim=1).clamp_min(1e-12)
+        stats = torch.stack(
+            [per_layer.sum(), per_layer.min(), per_layer.max(), cv.mean(), *replayed.double()]
+        )
+        # one read back for all of it: each float() of a device scalar is a sync of its own
+        routed, low, high, mean_cv, replay_tokens, differs = stats.tolist()
+        if routed == 0:  # a forward-only step
+            return {}
         out = {
-            "moe_tokens_per_expert_min": float(per_layer.min()),
-            "moe_tokens_per_expert_max": float(per_layer.max()),
-            "moe_tokens_per_expert_cv": float(cv.mean()),
+            "moe_tokens_per_expert_min": low,
+            "moe_tokens_per_expert_max": high,
+            "moe_tokens_per_expert_cv": mean_cv,
         }
-        if replayed[0] > 0:  # tokens of replayed forwards, over layers
-            out["moe_replay_route_differs_fraction"] = float(replayed[1] / replayed[0])
+        if replay_tokens > 0:  # tokens of replayed forwards, over layers
+            out["moe_replay_route_differs_fraction"] = differs / replay_tokens
         if any(r.router_replay and r.router_replay.balance for r in self.routers):
-            out["moe_aux_loss"] = float(balance) / (loss_tokens + 1e-8) / int((moe > 0).sum())
+            layers = per_layer.shape[0]
+            out["moe_aux_loss"] = float(balance) / (loss_tokens + 1e-8) / layers
         return out
