@@ -297,6 +297,7 @@ def build_sampler(
         max_seq_len=w.cfg.max_total_sequence_length,
         pad_id=pad_token(w.hf_config, tokenizer),
         routes=routes,
+        local=whole,
         graphs=w.cfg.generation.cuda_graphs and w.device.type == "cuda" and whole,
         decode=DECODE[w.cfg.generation.decode_attention],
     )

@@ -73,8 +73,11 @@ class Decoder:
     max_seq_len: int
     pad_id: int
     routes: Routes | None = None
+    local: bool = False
+    """The whole model runs on this rank (no TP, PP, CP or experts): decode steps run without
+    the pipeline schedule, the host one step behind the device (`_Run._decode_local`)."""
     graphs: bool = False
-    """Decode steps as CUDA graph replays (`generation.graphs`): a whole model on one GPU."""
+    """Decode steps as CUDA graph replays (`generation.graphs`): a `local` model on a GPU."""
     decode: DecodeAttention = sdpa_decode
     """A decode step's attention over the cache (`generation.decode_attention`)."""
 
@@ -203,8 +206,8 @@ class _Run:
         logits = d.forward(self.ids, cache.step, lengths - 1, padding)
         self._record_routes(cache, (b, width))
         self._advance(logits)
-        if d.graphs:
-            self._decode_graphed(cache, lengths)
+        if d.local:
+            self._decode_local(cache, lengths, width)
             return
         step = 1
         while self._any_active():
@@ -217,21 +220,55 @@ class _Run:
             self._advance(logits)
             step += 1
 
-    def _decode_graphed(self, cache: KVCache, lengths: torch.Tensor) -> None:
-        """The decode steps as replays of one CUDA graph (`generation.graphs`)."""
-        d, device = self.d, self.d.device
-        feed = torch.zeros(len(lengths), 1, dtype=torch.long, device=device)
-        cache.step = Step(starts=lengths - 1, keys_used=cache.capacity, prefill=False)
+    def _decode_local(self, cache: KVCache, lengths: torch.Tensor, width: int) -> None:
+        """The decode steps of a `local` model with the host one step behind: step s+1 is
+        queued — fed step s's tokens on the device — before the host reads step s's draw back
+        for its bookkeeping (stop tokens and strings, counts, which rows are done), so the
+        device never waits for the host between steps. A done row is fed its own draw instead
+        of padding: rows do not mix, and its output is padding either way. With `graphs` each
+        forward is one replay of a CUDA graph captured at the first step. The step queued past
+        the last row's end is dropped."""
+        d, device, b = self.d, self.d.device, self.ids.shape[0]
+        feed = self.tokens[-1][:, None].to(device, copy=True)  # written each step: not a view
         pick = torch.zeros_like(lengths)
+        cache.step = Step(starts=lengths.clone(), keys_used=cache.capacity, prefill=False)
+        pinned = device.type == "cuda"  # the draw's copy back must not block the host
+        out = [torch.empty(2, b, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         graph: GraphedStep | None = None
-        step = 1
-        while self._any_active():
-            feed.copy_(self.tokens[-1][:, None], non_blocking=True)
+
+        def queue(step: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+            nonlocal graph
             torch.clamp(lengths + step - 1, max=cache.capacity - 1, out=cache.step.starts)
-            if graph is None:  # captured at the first step (its warm-up writes the same keys)
-                graph = GraphedStep(lambda: d.forward_local(feed, cache.step.starts, pick))
-            self._advance(graph.replay())
-            step += 1
+            if d.graphs:
+                if graph is None:  # captured at the first step (its warm-up writes the same keys)
+                    graph = GraphedStep(lambda: d.forward_local(feed, cache.step.starts, pick))
+                logits = graph.replay()
+            else:
+                cache.step.keys_used = cache.reach(width + step)
+                logits = d.forward_local(feed, cache.step.starts, pick)
+            tokens, logprobs = next_tokens(logits, self.how, self.generator)
+            feed.copy_(tokens[:, None])
+            drawn = out[step % 2]  # step s-1's buffer was read before step s+1 is queued
+            drawn.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=pinned)
+            ready = torch.cuda.Event() if pinned else None
+            if ready is not None:
+                ready.record()
+            return drawn, ready
+
+        limit = int(((self.limits - self.counts) * ~self.done).max())  # steps any row may take
+        step, pending = 1, (queue(1) if limit > 0 else None)
+        while pending is not None:
+            ahead = queue(step + 1) if step < limit else None
+            drawn, ready = pending
+            if ready is not None:
+                ready.synchronize()
+            full = torch.zeros(3, b, dtype=torch.float64)
+            full[:2] = drawn
+            self._mark(full)
+            self._update(full)
+            if not self._any_active():
+                return
+            step, pending = step + 1, ahead
 
     def _advance(self, logits: torch.Tensor | None) -> None:
         """Draw (last stage), share with every stage, update which rows are done."""
@@ -240,11 +277,19 @@ class _Run:
         if logits is not None:
             tokens, logprobs = next_tokens(logits, self.how, self.generator)
             drawn[:2] = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one copy
-            # a done row's token is padding: set here, on the host (a copy of `done` to the
-            # device would wait for the step's graph before the draw could be queued)
-            drawn[0] = torch.where(self.done, float(self.d.pad_id), drawn[0])
-            drawn[2] = self._stops_now(drawn[0].long()).double()
+            self._mark(drawn)
         drawn = broadcast_from_last_stage(drawn, self.d.groups, device=self.d.device)
+        self._update(drawn)
+
+    def _mark(self, drawn: torch.Tensor) -> None:
+        """A draw [3, B] (tokens, logprobs, -): done rows' tokens become padding — on the host:
+        a copy of `done` to the device would wait for the step before the draw could be
+        queued — and row 2 says whose new token ends the row."""
+        drawn[0] = torch.where(self.done, float(self.d.pad_id), drawn[0])
+        drawn[2] = self._stops_now(drawn[0].long()).double()
+
+    def _update(self, drawn: torch.Tensor) -> None:
+        """Record a step's draw [3, B] (tokens, logprobs, stop) and which rows it finished."""
         tokens, logprobs, stop = drawn[0].long(), drawn[1].float(), drawn[2].bool()
         active = ~self.done
         self.tokens.append(tokens)
