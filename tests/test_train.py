@@ -115,7 +115,9 @@ def test_non_finite_gradient_skips_the_step(llama_dir, precision):
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
     assert all(torch.equal(before[n], p) for n, p in _params(worker).items())
     after = list(optimizer_tensors(worker.state.optimizer))
-    assert len(after) == len(state) and all(torch.equal(a, b) for a, b in zip(after, state, strict=True))
+    assert len(after) == len(state) and all(
+        torch.equal(a, b) for a, b in zip(after, state, strict=True)
+    )
     assert worker.state.scheduler.num_steps == 1
     # the worker still trains afterwards
     assert worker.train(data, NLLLoss())["skipped_steps"] == 0
