@@ -121,7 +121,9 @@ def optimizer_step(
     found_inf = (~applied).float()
     for part in parts:
         torch_opt = part.optimizer
-        torch_opt.grad_scale, torch_opt.found_inf = grad_scale, found_inf  # type: ignore[attr-defined]  # read by Adam.step
+        # read by Adam.step: fused AdamW divides by grad_scale and skips where found_inf is 1
+        torch_opt.grad_scale = grad_scale  # type: ignore[attr-defined]
+        torch_opt.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             if isinstance(part, DistributedOptimizer):
                 # its step: Adam on this rank's shard, shard -> param buffer, all-gather params
@@ -170,8 +172,9 @@ def optimizer_state_bytes(optimizer: MegatronOptimizer) -> int:
 
 
 def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> torch.Tensor:
-    """L2 norm (an fp64 device scalar) of all gradients, each counted once (megatron drops TP duplicates and shared
-    embeddings from `get_grads_for_grad_norm`), summed over each part's grad-stats group."""
+    """L2 norm of all gradients (an fp64 device scalar, not read back), each counted once
+    (megatron drops TP duplicates and shared embeddings from `get_grads_for_grad_norm`), summed
+    over each part's grad-stats group."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for part in parts:
         grads = part.get_grads_for_grad_norm()

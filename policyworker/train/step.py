@@ -8,9 +8,9 @@ Normalization. A loss divides by global counts (tokens or sequences over the who
 and all DP ranks), which a streaming caller does not know until the last chunk. So a step whose
 loss has one `normalizer` evaluates the loss with every count at 1 — the backward accumulates
 plain sums into megatron's fp32 grad buffers — and `finish_step` divides the gradients by the
-global count once all chunks are in (inside the fused Adam kernel, with the clip). A loss whose terms divide by different counts (ClippedPG's
-positive-example NLL) cannot be rescaled after the fact: `train()` gives it the counts up front,
-split-step training refuses it. Metrics are always recomputed at finish from each micro-batch's
+global count once all chunks are in (inside the fused Adam kernel, with the clip). A loss whose
+terms divide by different counts (ClippedPG's positive-example NLL) cannot be rescaled after the
+fact: `train()` gives it the counts up front, split-step training refuses it. Metrics are always recomputed at finish from each micro-batch's
 detached loss inputs with the true counts, so they equal a step that knew the counts.
 
 Gradients are never reduced over DP before `finish_step`: the schedule is given no
