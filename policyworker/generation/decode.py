@@ -233,7 +233,7 @@ class _Run:
         pick = torch.zeros_like(lengths)
         cache.step = Step(starts=lengths.clone(), keys_used=cache.capacity, prefill=False)
         pinned = device.type == "cuda"  # the draw's copy back must not block the host
-        out = [torch.empty(2, b, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
+        out = [torch.zeros(3, b, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         graph: GraphedStep | None = None
 
         def queue(step: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -246,10 +246,10 @@ class _Run:
             else:
                 cache.step.keys_used = cache.reach(width + step)
                 logits = d.forward_local(feed, cache.step.starts, pick)
-            tokens, logprobs = next_tokens(logits, self.how, self.generator)
-            feed.copy_(tokens[:, None])
+            draw = self._draw(logits)
+            feed.copy_(draw[0, :, None])
             drawn = out[step % 2]  # step s-1's buffer was read before step s+1 is queued
-            drawn.copy_(torch.stack([tokens.double(), logprobs.double()]), non_blocking=pinned)
+            drawn[:2].copy_(draw, non_blocking=pinned)
             ready = torch.cuda.Event() if pinned else None
             if ready is not None:
                 ready.record()
@@ -262,10 +262,8 @@ class _Run:
             drawn, ready = pending
             if ready is not None:
                 ready.synchronize()
-            full = torch.zeros(3, b, dtype=torch.float64)
-            full[:2] = drawn
-            self._mark(full)
-            self._update(full)
+            self._mark(drawn)
+            self._update(drawn)
             if not self._any_active():
                 return
             step, pending = step + 1, ahead
@@ -275,11 +273,15 @@ class _Run:
         b = self.ids.shape[0]
         drawn = torch.zeros(3, b, dtype=torch.float64)
         if logits is not None:
-            tokens, logprobs = next_tokens(logits, self.how, self.generator)
-            drawn[:2] = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one copy
+            drawn[:2] = self._draw(logits).cpu()  # one copy
             self._mark(drawn)
         drawn = broadcast_from_last_stage(drawn, self.d.groups, device=self.d.device)
         self._update(drawn)
+
+    def _draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """One step's draw on the logits' device: [2, B] fp64, the tokens and their logprobs."""
+        tokens, logprobs = next_tokens(logits, self.how, self.generator)
+        return torch.stack([tokens.double(), logprobs.double()])
 
     def _mark(self, drawn: torch.Tensor) -> None:
         """A draw [3, B] (tokens, logprobs, -): done rows' tokens become padding — on the host:
