@@ -1,6 +1,7 @@
 """Attention of one long packed row, forward + backward, one GPU: the flash varlen kernel every
-packed bin takes (the baseline) against plain causal SDPA (the candidate for a bin that one row
-fills), warm and on a sequence length it has not seen.
+packed bin takes (the baseline) against causal SDPA, plain and as a bin that one row fills runs
+it (`sdpa_bucketed`: the worker's own `_one_sequence`), warm and on a sequence length it has not
+seen.
 
 SDPA's default on Hopper is cuDNN's attention, faster per call than flash, but cuDNN builds a
 graph for each new shape; RL rows all differ in length, so the first call at a new length is
@@ -29,7 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import emit
@@ -58,23 +58,19 @@ def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The one row as [1, heads, tokens, dim] views, causal, torch's choice of kernel."""
+    from policyworker.model.attention import causal_sdpa
+
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q4, k4, v4, is_causal=True, scale=DIM**-0.5, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)
-
-
-BUCKET = 1024
+    return causal_sdpa(q4, k4, v4, DIM**-0.5)[0].transpose(0, 1)
 
 
 def sdpa_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`sdpa` on the row padded at its end to a multiple of BUCKET tokens (causal: exact for the
-    real tokens), so that lengths share cuDNN graphs; the padding's output is dropped."""
-    t = q.shape[0]
-    pad = -t % BUCKET
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-    return sdpa(q, k, v)[:t]
+    """What a bin that one row fills runs (`model.attention._one_sequence`): `sdpa` on the row
+    padded at its end to its bucket (a multiple of 1024 tokens at these lengths), so that
+    lengths share cuDNN graphs; the padding's output is dropped."""
+    from policyworker.model.attention import _one_sequence
+
+    return _one_sequence(q, k, v, DIM**-0.5)
 
 
 def inputs(length: int) -> list[torch.Tensor]:
