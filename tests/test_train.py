@@ -167,6 +167,30 @@ def test_metrics_report_the_contract(llama_dir):
     assert m["probs_ratio_min"] <= m["probs_ratio"] <= m["probs_ratio_max"]
 
 
+def test_modes_follow_the_call_and_state_bytes_follow_the_state(llama_dir):
+    """Every module trains in train() and evaluates in get_logprobs, switching back and forth
+    (the switch is skipped when the model is in the mode already); the reported optimizer
+    bytes are a fresh count before the first step, after it and after the next."""
+    from policyworker.train.optimizer import optimizer_state_bytes
+
+    worker = make_worker(llama_dir)
+    data = make_batch(batch=4, seq=12)
+    model, seen = worker.state.model, []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args: seen.append({m.training for m in mod.modules()})
+    )
+    before = worker.train(data, NLLLoss(), eval_mode=True)["optimizer_state_bytes"]
+    first = worker.train(data, NLLLoss())["optimizer_state_bytes"]
+    worker.get_logprobs(data=data)
+    second = worker.train(data, NLLLoss())["optimizer_state_bytes"]
+    worker.get_logprobs(data=data)
+    hook.remove()
+    phases = [s for i, s in enumerate(seen) if i == 0 or s != seen[i - 1]]  # per call
+    assert phases == [{True}, {False}, {True}, {False}]
+    assert before == 0  # fp32: the parameters are their own masters; no Adam state yet
+    assert first == second == optimizer_state_bytes(worker.state.optimizer) > 0
+
+
 def test_bfloat16_trains_with_fp32_master_weights(llama_dir):
     worker = make_worker(
         llama_dir, precision="bfloat16", optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0)

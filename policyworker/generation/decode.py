@@ -28,7 +28,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import ROUTES, validate_batch
 from policyworker.generation.graphs import GraphedStep
-from policyworker.model.build import output_head
+from policyworker.model.build import output_head, set_mode
 from policyworker.model.kv_cache import DecodeAttention, KVCache, Step, attached, sdpa_decode
 from policyworker.model.replay import Replay
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits
@@ -115,7 +115,7 @@ class Decoder:
         limits = torch.clamp(self.max_seq_len - lengths, max=max_new_tokens)  # >= 1 (check)
         capacity = int((lengths + limits).max())
         run = _Run(self, ids, lengths, limits, how, stops, seed)
-        self.model.eval()
+        set_mode(self.model, training=False)
         cache = KVCache(capacity, self.decode)
         try:
             with torch.no_grad(), _no_sequence_parallel(self.model), attached(self.model, cache):

@@ -19,6 +19,7 @@ from policyworker.data.contract import FULL_PAYLOAD, ROUTES, check_routes, valid
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
 from policyworker.losses.distillation import PAYLOAD_KINDS
+from policyworker.model.build import set_mode
 from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
@@ -168,7 +169,7 @@ class Collector:
         returns as metrics) assembled on CPU as [B, S, *trailing], 0 past each length, on every
         pipeline stage — but `last_stage_only` ones (their own trailing shape) only on the last
         (None on the others); then, if `routing` records, the routes used [B, S, L, K]."""
-        self.model.eval()
+        set_mode(self.model, training=False)
         names = ["input_ids", "input_lengths"] + ([ROUTES] if routing and routing.replay else [])
         batch = BatchedDataDict({k: data[k] for k in names}).to(self.device)
         if self.groups.ep_size > 1:  # every forward exchanges tokens with the other EP ranks

@@ -35,6 +35,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import EPS, Loss, LossInputs, valid_counts
+from policyworker.model.build import set_mode
 from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.optimizer import optimizer_step
@@ -132,7 +133,7 @@ def add_chunk(
         return loss, {}
 
     microbatches = split_evenly(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
-    ddp.train()
+    set_mode(ddp, training=True)
     deferred = overlap is not None and not step.spec.whole
     with overlap.deferred_grad_sync() if deferred else contextlib.nullcontext():
         run_microbatches(ddp, microbatches, fn, forward_only=step.spec.eval_mode, routing=routing)
