@@ -72,6 +72,47 @@ def _stream(worker, targets, transfer_id, **kw):
     return worker.stream_remote_sparse_weights("zmq", targets, **args)
 
 
+_THREADS = """
+import sys, threading, torch
+from policyworker.refit.sparse_codec import decode, delta, encode
+
+base = torch.randn(256, 512, generator=torch.Generator().manual_seed(0))
+errors = []
+
+def work(k):
+    try:
+        for i in range(150):
+            new = base.clone()
+            new[(k + i) % 256] += 1
+            d = delta(f"w{k}", new, base)
+            got = decode(*encode([d]))[0]
+            assert torch.equal(got.index, d.index) and torch.equal(got.values, d.values)
+    except BaseException as e:
+        errors.append(repr(e))
+
+threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(errors[:2])
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_the_codec_is_safe_from_several_threads():
+    """Eight threads encoding and decoding at once get exactly what they sent. With one zstd
+    context shared by every thread, this corrupted payloads or crashed the interpreter in most
+    runs (the subprocess keeps such a crash from taking the test session down)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _THREADS], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
+
+
 def test_refits_through_a_relay_tree_are_exact_and_sparse(llama_dir):
     """Two steps at lr 1e-6 and refits into three engines (the first relays to the other two):
     each bitwise equal to the trainer's export each time; the payloads left the trainer once,
