@@ -12,11 +12,14 @@ would stop at random), sampling at temperature 1:
 
 For ours it also scores the generated rows with `get_logprobs` and reports the
 `token_mult_prob_error` of the generation logprobs (mean over response tokens of
-exp|generation − get_logprobs|, and its largest per-token value). Prints one JSON line with
-tokens/s per engine and batch size and the ratios. CPU: a smoke run with `--smoke`.
+exp|generation − get_logprobs|, and its largest per-token value); `--mismatch-sources` also
+scores the same rows with fp32 `get_logprobs` (each bf16 side against it, and bf16
+`get_logprobs` at two micro-batch sizes) and checks which of the model's GEMMs give the same
+bits for a few rows as inside a large product. Prints one JSON line with tokens/s per engine and
+batch size and the ratios. CPU: a smoke run with `--smoke`.
 
     python benchmarks/generation_bench.py [--batches 64,256] [--prompt 512] [--new 1024]
-        [--engines ours,ours_triton,engine,hf_static] [--profile]
+        [--engines ours,ours_triton,engine,hf_static] [--profile] [--mismatch-sources]
 """
 
 from __future__ import annotations
@@ -42,6 +45,66 @@ def seconds(run: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def our_worker(folder: Path, precision: str, rows: int, width: int, kernel: str = "sdpa"):
+    from policyworker.config import PolicyConfig
+    from policyworker.worker import MegatronPolicyWorker
+
+    cfg = PolicyConfig(
+        model_name=str(folder),
+        precision=precision,
+        logprob_batch_size=min(rows, 16),
+        max_total_sequence_length=width,
+        generation={"max_new_tokens": 1, "stop_token_ids": [], "decode_attention": kernel},
+    )
+    return MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
+
+
+def mult_prob_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over tokens of exp|a - b| (NeMo-RL's `token_mult_prob_error`)."""
+    return float((a - b).abs().exp().mean())
+
+
+def mismatch_sources(worker, folder: Path, seqs: object, gen: torch.Tensor, p: int) -> dict:
+    """Where the generation's bf16 mismatch comes from: the generation and bf16 `get_logprobs`
+    each against fp32 `get_logprobs` of the same sequences, bf16 `get_logprobs` at two
+    micro-batch sizes, and the first / last 64 response tokens (`--mismatch-sources`)."""
+    scored = worker.get_logprobs(data=seqs)["logprobs"][:, p:]
+    scored_mb2 = worker.get_logprobs(data=seqs, micro_batch_size=2)["logprobs"][:, p:]
+    b, width = seqs["input_ids"].shape
+    worker.shutdown()
+    free()
+    fp32 = our_worker(folder, "float32", b, width)
+    ref = fp32.get_logprobs(data=seqs, micro_batch_size=4)["logprobs"][:, p:]
+    fp32.shutdown()
+    return {
+        "generation_vs_fp32": mult_prob_error(gen, ref),
+        "get_logprobs_vs_fp32": mult_prob_error(scored, ref),
+        "get_logprobs_mb16_vs_mb2": mult_prob_error(scored, scored_mb2),
+        "first64_generation_vs_get_logprobs": mult_prob_error(gen[:, :64], scored[:, :64]),
+        "last64_generation_vs_get_logprobs": mult_prob_error(gen[:, -64:], scored[:, -64:]),
+    }
+
+
+def gemm_invariance(cfg: object, rows: tuple[int, ...] = (1, 64, 256)) -> dict[str, list]:
+    """For each projection of the model (K -> N): the fraction of the outputs of an M-row bf16
+    `linear` that differ from the same rows inside a 6144-row product, per M in `rows`: where a
+    decode step's GEMMs reproduce the training forward's bits."""
+    h, inter, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    out = {}
+    for name, k, n in (("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * inter),
+                       ("down", inter, h), ("lm_head", h, v)):  # fmt: skip
+        w = torch.randn(n, k, device=DEVICE, generator=g).bfloat16() * 0.02
+        x = torch.randn(6144, k, device=DEVICE, generator=g).bfloat16()
+        whole = torch.nn.functional.linear(x, w)
+        out[f"{name}_{k}x{n}"] = [
+            float((torch.nn.functional.linear(x[:m], w) != whole[:m]).float().mean()) for m in rows
+        ]
+        del w, x, whole
+    return out
+
+
 def bench_ours(
     folder: Path,
     prompts: torch.Tensor,
@@ -49,20 +112,13 @@ def bench_ours(
     precision: str,
     kernel: str = "sdpa",
     prof: bool = False,
+    sources: bool = False,
 ) -> dict[str, float]:
-    from policyworker.config import PolicyConfig
     from policyworker.data.batched_data_dict import BatchedDataDict
-    from policyworker.worker import MegatronPolicyWorker
 
     b, p = prompts.shape
-    cfg = PolicyConfig(
-        model_name=str(folder),
-        precision=precision,
-        logprob_batch_size=min(b, 16),
-        max_total_sequence_length=p + new,
-        generation={"max_new_tokens": new, "stop_token_ids": [], "decode_attention": kernel},
-    )
-    worker = MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
+    worker = our_worker(folder, precision, b, p + new, kernel)
+    cfg = worker.cfg
     data = BatchedDataDict({"input_ids": prompts, "input_lengths": torch.full((b,), p)})
     cfg.generation.max_new_tokens = 8  # a short warm-up call
     worker.generate(data=data, seed=1)
@@ -88,6 +144,8 @@ def bench_ours(
         "token_mult_prob_error": float(error.mean()),
         "token_mult_prob_error_max": float(error.max()),
     }
+    if sources:
+        row |= mismatch_sources(worker, folder, BatchedDataDict(seqs), out["logprobs"][:, p:], p)
     return row
 
 
@@ -147,6 +205,11 @@ def main() -> None:
     parser.add_argument("--engines", default="ours,ours_triton,engine,hf_static")
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 run (CPU)")
     parser.add_argument("--profile", action="store_true", help="op tables of ours (stderr)")
+    parser.add_argument(
+        "--mismatch-sources",
+        action="store_true",
+        help="also score ours against fp32 get_logprobs, and test the GEMMs' batch invariance",
+    )
     parser.add_argument("--out", default=None, help="also write the JSON line here")
     args = parser.parse_args()
     if args.smoke:
@@ -157,14 +220,18 @@ def main() -> None:
     folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
     engines = args.engines.split(",")
     runs = {
-        "ours": functools.partial(bench_ours, prof=args.profile),
-        "ours_triton": functools.partial(bench_ours, kernel="triton", prof=args.profile),
+        "ours": functools.partial(bench_ours, prof=args.profile, sources=args.mismatch_sources),
+        "ours_triton": functools.partial(
+            bench_ours, kernel="triton", prof=args.profile, sources=args.mismatch_sources
+        ),
         "engine": bench_engine,
         "hf_static": bench_hf_static,
     }
     shape = {k: getattr(args, k) for k in ("layers", "hidden", "vocab", "prompt", "new")}
     row: dict[str, object] = {"bench": "generation", "device": DEVICE, "shape": shape}
     row["params"] = n_params
+    if args.mismatch_sources:
+        row["gemm_rows_differing"] = gemm_invariance(cfg)
     for batch in (int(b) for b in args.batches.split(",")):
         g = torch.Generator().manual_seed(batch)
         prompts = torch.randint(0, cfg.vocab_size, (batch, args.prompt), generator=g)
