@@ -31,9 +31,11 @@ lock:
 	  .lock-venv/bin/python -m pip freeze --all --exclude-editable; } > requirements.lock
 	rm -rf .lock-venv
 
+# Two pytest-xdist workers (CI has 2 cores); a file's tests stay together, and the files that
+# touch the whole machine (Ray clusters, /dev/shm) are one unit (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m ruff check policyworker tests benchmarks gpu_tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # The tests that start no process: pure parts and one in-process worker (CONTRIBUTING.md).
 test-fast: $(STAMP)

@@ -58,3 +58,28 @@ def _processes_are_marked(request: pytest.FixtureRequest, monkeypatch: pytest.Mo
     yield
     if started and request.node.get_closest_marker("processes") is None:
         pytest.fail(f"{request.node.name} started {started[0]}: mark it @pytest.mark.processes")
+
+
+# Files whose tests start Ray clusters (and `ray stop --force` them) or check state of the whole
+# machine (/dev/shm, shut-down time): under pytest-xdist (`make test`) they are one work unit,
+# so no two of them run at once.
+_MACHINE_WIDE = {"test_driver.py", "test_demo.py", "test_startup.py"}
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # plain pytest: no workers to schedule
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class _FileUnits(LoadScopeScheduling):
+        """pytest-xdist's `loadscope` by file (a file's tests run in order in one worker, so a
+        module fixture is built once), the machine-wide files one unit. xdist's `loadgroup`
+        would do it with markers, but it renames node ids, which pytest 9 no longer allows."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "machine-wide" if Path(path).name in _MACHINE_WIDE else path
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> _FileUnits:
+        return _FileUnits(config, log)
