@@ -64,11 +64,13 @@ def mult_prob_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().exp().mean())
 
 
-def mismatch_sources(worker, folder: Path, seqs: object, gen: torch.Tensor, p: int) -> dict:
-    """Where the generation's bf16 mismatch comes from: the generation and bf16 `get_logprobs`
-    each against fp32 `get_logprobs` of the same sequences, bf16 `get_logprobs` at two
-    micro-batch sizes, and the first / last 64 response tokens (`--mismatch-sources`)."""
-    scored = worker.get_logprobs(data=seqs)["logprobs"][:, p:]
+def mismatch_sources(
+    worker, folder: Path, seqs: object, gen: torch.Tensor, scored: torch.Tensor, p: int
+) -> dict:
+    """Where the generation's bf16 mismatch comes from: the generation (`gen`) and bf16
+    `get_logprobs` (`scored`, the worker's micro-batches) each against fp32 `get_logprobs` of the
+    same sequences, bf16 `get_logprobs` at two micro-batch sizes, and the first / last 64
+    response tokens (`--mismatch-sources`); shuts the worker down."""
     scored_mb2 = worker.get_logprobs(data=seqs, micro_batch_size=2)["logprobs"][:, p:]
     b, width = seqs["input_ids"].shape
     worker.shutdown()
@@ -134,8 +136,10 @@ def bench_ours(
     after = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
     assert int(out["generation_lengths"].min()) == new
     seqs = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
-    scored = worker.get_logprobs(data=BatchedDataDict(seqs))["logprobs"][:, p:]
-    error = (out["logprobs"][:, p:] - scored).abs().exp()
+    seqs = BatchedDataDict(seqs)
+    gen = out["logprobs"][:, p:]
+    scored = worker.get_logprobs(data=seqs)["logprobs"][:, p:]
+    error = (gen - scored).abs().exp()
     row = {
         "s": took,
         "tokens_per_s": b * new / took,
@@ -145,7 +149,7 @@ def bench_ours(
         "token_mult_prob_error_max": float(error.max()),
     }
     if sources:
-        row |= mismatch_sources(worker, folder, BatchedDataDict(seqs), out["logprobs"][:, p:], p)
+        row |= mismatch_sources(worker, folder, seqs, gen, scored, p)
     return row
 
 
