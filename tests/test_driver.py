@@ -132,6 +132,32 @@ def test_the_mesh_refuses_bad_sizes(world, sizes, field):
         ParallelDims.from_world(world_size=world, world_field="num_workers", **sizes)
 
 
+def test_master_ports_stay_out_of_the_range_outgoing_connections_take(monkeypatch):
+    """A port from bind(0) can be taken by another test's connection before the store binds it
+    (a run of the suite met EADDRINUSE so): free_port picks below the ephemeral range."""
+    import itertools
+    import socket
+
+    from policyworker.parallel import dims
+
+    low, _ = dims._ephemeral_range()
+    assert all(dims._LOWEST_PORT <= dims.free_port() < low for _ in range(50))
+    with socket.socket() as listener:  # a port some server holds is never handed out
+        listener.bind(("", dims.free_port()))
+        listener.listen()
+        held = listener.getsockname()[1]
+        candidates = itertools.chain([held, held], itertools.count(held + 1))
+
+        class Scripted:
+            def randrange(self, start: int, stop: int) -> int:
+                return next(candidates)
+
+        monkeypatch.setattr(dims.random, "SystemRandom", Scripted)
+        assert dims.free_port() > held
+    monkeypatch.setattr(dims, "_ephemeral_range", lambda: (1024, 65535))  # no room below: bind(0)
+    assert 1024 <= dims.free_port() <= 65535
+
+
 def test_shards_are_equal_in_rows_balanced_in_tokens_and_keep_examples_whole():
     rows = balanced_split(LENGTHS, 2)
     assert sorted(i for r in rows for i in r) == list(range(8)) and [len(r) for r in rows] == [4, 4]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 from typing import Any
 
 from policyworker.driver.group import Answers, GroupState
 from policyworker.driver.worker_side import WorkerHost, failure
+from policyworker.parallel.dims import free_port
 
 _PLACEMENT_TIMEOUT_S = 120.0
 _CLOSE_TIMEOUT_S = 30.0
@@ -27,10 +27,7 @@ class RayHost(WorkerHost):
     def address(self) -> tuple[str, int]:
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        return ray.util.get_node_ip_address(), free_port()
 
 
 class RayGroup(GroupState):

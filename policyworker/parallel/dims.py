@@ -11,8 +11,10 @@ import datetime
 import functools
 import logging
 import os
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -140,10 +142,45 @@ class ParallelDims:
         return self.rank(dp=dp_rank, pp=self.pp - 1)
 
 
-def free_port() -> int:
-    """A TCP port free on this machine now."""
+_LOWEST_PORT = 20000
+"""Ports below this are left to services; free_port picks from here up to the ephemeral range."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local end of outgoing connections (Linux's default if unknown)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on `host` now, for a server another process binds a moment later.
+
+    bind(0) hands out a port of the ephemeral range, which the kernel also gives every outgoing
+    connection's local end (gloo's mesh and each store client open many): one of them can take
+    the port before the server binds it (a test run met EADDRINUSE so). A random port below that
+    range is only ever taken by another listener; where the range leaves no room, bind(0).
+    """
+    low, _ = _ephemeral_range()
+    choose = random.SystemRandom()  # not the seeded `random`: seeded processes would all agree
+    if low - _LOWEST_PORT >= 1000:
+        for _ in range(100):
+            port = choose.randrange(_LOWEST_PORT, low)
+            if _bindable(host, port):
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
