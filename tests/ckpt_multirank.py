@@ -1,17 +1,24 @@
-"""Checkpoint runs for `test_checkpoint.py`, under torchrun (or in the test process, world 1).
+"""Checkpoint runs for `test_checkpoint.py` and `test_moe.py`, under torchrun (or in the test
+process, world 1).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_multirank.py \
-        save|resume MODEL CKPT OUT.pt TP PP [distopt] [overlap] [ep]
+    python -m torch.distributed.run --nproc_per_node 2 tests/ckpt_multirank.py JOBS.json
+
+JOBS.json: a list of runs, done in turn in this one launch (megatron's groups set up anew for
+each; a launch costs two interpreters' imports, more than a small run): each
+`{"mode": "save"|"resume", "model": ..., "ckpt": ..., "out": ..., "tp": 2, "pp": 1,
+"flags": ["distopt", "overlap", "ep"]}`.
 
 `save`: one GRPO step, a sync save (CKPT/sync) and an async save (CKPT/async) of the same state,
 three more steps while the async write goes on, then finalize. `resume`: a new worker built from
 CKPT/sync runs the same three steps; then `load_checkpoint(CKPT/async)` and the three steps again.
-Rank 0 saves what every layout must agree on: logprobs at the save, the metrics of the three
-steps and the logprobs after them.
+Rank 0 saves to OUT what every layout must agree on: logprobs at the save, the metrics of the
+three steps and the logprobs after them. A resume runs in another launch than its save.
 """
 
 from __future__ import annotations
 
+import gc
+import json
 import sys
 from pathlib import Path
 
@@ -74,25 +81,36 @@ def run_resume(worker: MegatronPolicyWorker, ckpt: Path) -> dict[str, object]:
     return out
 
 
-def main() -> None:
-    mode, model, ckpt, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
-    tp, pp, flags = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
+def run_job(job: dict) -> None:
+    flags = job["flags"]
     cfg = config(
-        model,
-        tp=tp,
-        pp=pp,
+        job["model"],
+        tp=job["tp"],
+        pp=job["pp"],
         distopt="distopt" in flags,
         overlap="overlap" in flags,
         ep=2 if "ep" in flags else 1,
     )
-    if mode == "save":
-        result = run_save(MegatronPolicyWorker(cfg), ckpt)
+    ckpt = Path(job["ckpt"])
+    if job["mode"] == "save":
+        worker = MegatronPolicyWorker(cfg)
+        result = run_save(worker, ckpt)
     else:
         weights, optim = paths(ckpt, "sync")
         worker = MegatronPolicyWorker(cfg, weights_path=str(weights), optimizer_path=str(optim))
         result = run_resume(worker, ckpt)
     if dist.get_rank() == 0:
-        torch.save(result, out)
+        torch.save(result, job["out"])
+    worker.shutdown()
+
+
+def main() -> None:
+    from megatron.core import parallel_state
+
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        run_job(job)
+        parallel_state.destroy_model_parallel()  # the next job sets up its own groups
+        gc.collect()
     dist.destroy_process_group()
 
 

@@ -37,11 +37,30 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_model(folder, "qwen2", vocab_size=101, tie_word_embeddings=True)
 
 
-def torchrun(*args: object) -> None:
+def torchrun(jobs: list[dict]) -> None:
+    """`jobs` (see `ckpt_multirank`) in turn, in one 2-rank launch."""
+    spec = Path(jobs[0]["out"]).with_suffix(".jobs.json")
+    spec.write_text(json.dumps([{"flags": [], **j} for j in jobs], default=str))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(HERE / "ckpt_multirank.py"), *map(str, args)]
+    cmd += [str(HERE / "ckpt_multirank.py"), str(spec)]
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def save_then_resume(jobs: dict[str, dict], folder: Path) -> dict[str, dict]:
+    """Each job saved in one launch and resumed in a second, fresh one; jobs with a `ckpt` of
+    their own are only resumed. {name: {"save": ..., "resume": ...}} (what rank 0 wrote)."""
+    for name, job in jobs.items():
+        job.setdefault("ckpt", folder / name)
+    own = {n: j for n, j in jobs.items() if j["ckpt"] == folder / n}
+    if own:
+        torchrun([{**j, "mode": "save", "out": folder / f"{n}.save.pt"} for n, j in own.items()])
+    torchrun([{**j, "mode": "resume", "out": folder / f"{n}.resume.pt"} for n, j in jobs.items()])
+    runs: dict[str, dict] = {name: {} for name in jobs}
+    for name in jobs:
+        for kind in ("save", "resume") if name in own else ("resume",):
+            runs[name][kind] = torch.load(folder / f"{name}.{kind}.pt", weights_only=False)
+    return runs
 
 
 def _assert_bitwise(saved: dict, resumed: dict) -> None:
@@ -59,22 +78,40 @@ def _assert_close(saved: dict, resumed: dict, rel: float = 1e-5) -> None:
     torch.testing.assert_close(resumed["lp_final"], saved["lp_final"], rtol=0, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every layout saved on two ranks and resumed in a fresh launch; and a one-rank checkpoint
+    (saved here, in the test process) resumed under TP2. Two launches in all."""
+    folder = tmp_path_factory.mktemp("two_rank_runs")
+    jobs: dict[str, dict] = {
+        layout: {
+            "model": model_dir,
+            "tp": tp,
+            "pp": pp,
+            "flags": ["distopt", "overlap"] if d else [],
+        }
+        for layout, (tp, pp, d) in LAYOUTS.items()
+    }
+    one = folder / "one-rank"
+    saved_one = run_save(MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1)), one)
+    jobs["one-rank-into-tp2"] = {"model": model_dir, "tp": 2, "pp": 1, "ckpt": one}
+    runs = save_then_resume(jobs, folder)
+    runs["one-rank-into-tp2"]["save"] = saved_one
+    return {**runs, "ckpts": {name: job["ckpt"] for name, job in jobs.items()}}
+
+
 @pytest.mark.processes
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_exact_resume_and_reshard_on_load(layout, model_dir, tmp_path):
+def test_exact_resume_and_reshard_on_load(layout, model_dir, two_rank_runs):
     """Save at step 1 (sync and async), run 3 more steps; a fresh 2-rank process loads step 1
     and runs the same 3 steps bit for bit, from the sync and from the async checkpoint. Then
     one rank (TP1, PP1, DP1) loads the same checkpoint and continues within 1e-5."""
-    tp, pp, distopt = LAYOUTS[layout]
-    flag = ["distopt", "overlap"] if distopt else []
-    ckpt = tmp_path / "ckpt"
-    torchrun("save", model_dir, ckpt, tmp_path / "save.pt", tp, pp, *flag)
-    torchrun("resume", model_dir, ckpt, tmp_path / "resume.pt", tp, pp, *flag)
-    saved = torch.load(tmp_path / "save.pt", weights_only=False)
-    resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
+    _, _, distopt = LAYOUTS[layout]
+    saved, resumed = two_rank_runs[layout]["save"], two_rank_runs[layout]["resume"]
     _assert_bitwise(saved, resumed)
     _assert_bitwise(saved, {"lp_at_save": resumed["lp_at_save"], **resumed["async"]})
 
+    ckpt = two_rank_runs["ckpts"][layout]
     weights, optim = paths(ckpt, "sync")
     single = MegatronPolicyWorker(
         config(str(model_dir), tp=1, pp=1, distopt=distopt),
@@ -85,11 +122,9 @@ def test_exact_resume_and_reshard_on_load(layout, model_dir, tmp_path):
 
 
 @pytest.mark.processes
-def test_one_rank_checkpoint_loads_into_tp2(model_dir, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    saved = run_save(MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1)), ckpt)
-    torchrun("resume", model_dir, ckpt, tmp_path / "resume.pt", 2, 1)
-    _assert_close(saved, torch.load(tmp_path / "resume.pt", weights_only=False))
+def test_one_rank_checkpoint_loads_into_tp2(two_rank_runs):
+    run = two_rank_runs["one-rank-into-tp2"]
+    _assert_close(run["save"], run["resume"])
 
 
 @pytest.fixture(scope="module")

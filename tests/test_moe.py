@@ -503,25 +503,25 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_p
     1e-5; an EP1 checkpoint loads into EP2 the same way."""
     from ckpt_multirank import paths, run_resume, run_save
     from multirank import config
-    from test_checkpoint import _assert_bitwise, _assert_close, torchrun
+    from test_checkpoint import _assert_bitwise, _assert_close, save_then_resume
 
     from policyworker.worker import MegatronPolicyWorker
 
     folder = make_hf_model(tmp_path / "m", "qwen3_moe", vocab_size=101)
-    ckpt, one = tmp_path / "ckpt", tmp_path / "one"
-    torchrun("save", folder, ckpt, tmp_path / "save.pt", 1, 1, "ep")
-    torchrun("resume", folder, ckpt, tmp_path / "resume.pt", 1, 1, "ep")
-    saved = torch.load(tmp_path / "save.pt", weights_only=False)
-    resumed = torch.load(tmp_path / "resume.pt", weights_only=False)
+    cfg = config(str(folder), tp=1, pp=1)
+    one = tmp_path / "one"
+    saved_one = run_save(MegatronPolicyWorker(cfg), one)
+    jobs = {
+        "ep2": {"model": folder, "tp": 1, "pp": 1, "flags": ["ep"]},
+        "one-into-ep2": {"model": folder, "tp": 1, "pp": 1, "flags": ["ep"], "ckpt": one},
+    }
+    runs = save_then_resume(jobs, tmp_path)
+    saved, resumed = runs["ep2"]["save"], runs["ep2"]["resume"]
     _assert_bitwise(saved, resumed)
     _assert_bitwise(saved, {"lp_at_save": resumed["lp_at_save"], **resumed["async"]})
+    _assert_close(saved_one, runs["one-into-ep2"]["resume"])
 
-    weights, optim = paths(ckpt, "sync")
-    cfg = config(str(folder), tp=1, pp=1)
+    weights, optim = paths(tmp_path / "ep2", "sync")
     single = MegatronPolicyWorker(cfg, weights_path=str(weights), optimizer_path=str(optim))
-    _assert_close(saved, run_resume(single, ckpt))
+    _assert_close(saved, run_resume(single, tmp_path / "ep2"))
     single.shutdown()
-
-    saved_one = run_save(MegatronPolicyWorker(cfg), one)
-    torchrun("resume", folder, one, tmp_path / "from_one.pt", 1, 1, "ep")
-    _assert_close(saved_one, torch.load(tmp_path / "from_one.pt", weights_only=False))
