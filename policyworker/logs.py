@@ -1,8 +1,9 @@
 """Third-party noise kept out of a user's run: the notices megatron-core, torch and transformers
 print on every start (missing Transformer Engine/Apex/absl, deprecations of what we do not use,
-experimental modules, progress bars of tiny loads) are filtered where our processes start — the
-command line and every worker process. `POLICYWORKER_VERBOSE=1` (inherited by the workers), or the
-command line's `--verbose`, shows them again.
+experimental modules, progress bars of tiny loads) are filtered where megatron-core is first
+loaded: the command line, every worker process of the driver, and a `MegatronPolicyWorker` built in
+a user's own script (torchrun). Only these messages are filtered; `POLICYWORKER_VERBOSE=1`
+(inherited by the workers), or the command line's `--verbose`, shows them again.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ _LOG_LINES = {  # logger -> the start of each message of it to drop
 }
 
 
+_quiet = False
+
+
 class _Drop(logging.Filter):
     def __init__(self, starts: tuple[str, ...]) -> None:
         super().__init__()
@@ -41,8 +45,10 @@ def quiet_third_party(verbose: bool | None = None) -> None:
     """Filter the known notices (unless `verbose`, default: the `POLICYWORKER_VERBOSE` env)."""
     if verbose is None:
         verbose = os.environ.get(VERBOSE_ENV, "") not in ("", "0")
-    if verbose:
+    global _quiet
+    if verbose or _quiet:
         return
+    _quiet = True  # once per process: the filters would stack
     for pattern in _WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     for name, starts in _LOG_LINES.items():

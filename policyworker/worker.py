@@ -20,6 +20,7 @@ from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.checkpoint.paths import check_save_paths, initial_weights
 from policyworker.config import PolicyConfig, teacher_path
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.logs import quiet_third_party
 from policyworker.losses.common import Loss
 from policyworker.memory.phases import TRAIN_BUFFERS_KEPT, MemoryPhase, enter_phase
 from policyworker.memory.residency import GROUPS, Where
@@ -45,6 +46,7 @@ class MegatronPolicyWorker:
         init_reference_model: bool = True,
         is_refit_destination: bool = False,
     ) -> None:
+        quiet_third_party()  # before megatron-core's first import: its notices are not ours
         from policyworker import assembly  # megatron-core loads here: the driver imports this too
 
         self.cfg, self.tokenizer = config, tokenizer
