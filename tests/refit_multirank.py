@@ -1,8 +1,9 @@
 """An IPC refit from a TP2 or PP2 trainer (two gloo ranks) into one generation process, then one
 with every matrix prequantized to MXFP8 into another, for tests/test_refit.py. Rank 0 hosts the
-receivers and sends; rank 1 only takes part in the gathers.
+receivers and sends; rank 1 only takes part in the gathers. Each layout in turn, in one launch.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/refit_multirank.py MODEL OUT.pt TP PP
+    python -m torch.distributed.run --nproc_per_node 2 tests/refit_multirank.py MODEL OUTDIR \
+        NAME:TP:PP ...        (rank 0 writes OUTDIR/NAME.pt)
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from policyworker.generation.process import GenerationProcess
 from policyworker.worker import MegatronPolicyWorker
 
 
-def main() -> None:
-    model, out, tp, pp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+def run_layout(model: str, out: Path, tp: int, pp: int) -> None:
     cfg = PolicyConfig(
         model_name=model,
         precision="float32",
@@ -50,6 +50,17 @@ def main() -> None:
         gen.end_refit()
         torch.save({**result, "mxfp8_names": names, "mxfp8_weights": gen.weights()}, out)
         gen.close()
+    worker.shutdown()
+
+
+def main() -> None:
+    from megatron.core import parallel_state
+
+    model, out = sys.argv[1], Path(sys.argv[2])
+    for spec in sys.argv[3:]:
+        name, tp, pp = spec.split(":")
+        run_layout(model, out / f"{name}.pt", int(tp), int(pp))
+        parallel_state.destroy_model_parallel()  # the next layout sets up its own groups
     dist.destroy_process_group()
 
 

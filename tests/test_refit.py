@@ -263,21 +263,29 @@ def test_bad_refit_arguments_are_refused(llama_dir):
     assert worker.weight_version == 0
 
 
-@pytest.mark.processes
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_tp2_and_pp2_trainers_refit_one_receiver(tp, pp, tmp_path_factory, tmp_path):
-    """Gathered TP shards and broadcast pipeline stages arrive as the checkpoint's tensors,
-    each name once; prequantized to MXFP8, as the quantization of the checkpoint's."""
+@pytest.fixture(scope="module")
+def multirank_refits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model, results folder): a TP2 and a PP2 trainer's refits, in one launch."""
     folder = make_hf_model(  # tied: the last stage's output layer copy is never sent
         tmp_path_factory.mktemp("refit_mr"), "qwen2", vocab_size=128, tie_word_embeddings=True
     )
+    out = tmp_path_factory.mktemp("refit_mr_out")
     script = Path(__file__).parent / "refit_multirank.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), str(folder), str(tmp_path / "out.pt"), str(tp), str(pp)]
+    cmd += [str(script), str(folder), str(out), "tp2:2:1", "pp2:1:2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(tmp_path / "out.pt", weights_only=False)
+    return folder, out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_tp2_and_pp2_trainers_refit_one_receiver(layout, multirank_refits):
+    """Gathered TP shards and broadcast pipeline stages arrive as the checkpoint's tensors,
+    each name once; prequantized to MXFP8, as the quantization of the checkpoint's."""
+    folder, out = multirank_refits
+    got = torch.load(out / f"{layout}.pt", weights_only=False)
     checkpoint = load_file(folder / "model.safetensors")
     assert got["weights"].keys() == checkpoint.keys()
     assert all(torch.equal(got["weights"][n], checkpoint[n]) for n in checkpoint)
