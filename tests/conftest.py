@@ -21,7 +21,7 @@ logging.getLogger("megatron").setLevel(logging.ERROR)
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist each worker computes on one thread: two workers of torch's default
     (a thread per core) on two cores made the in-process tests slower than one process (79 s
-    against 56 s for `-m "not processes"`; 42 s on one thread each). Children inherit it; the
+    against 56 s for `-m "not processes"`; 47 s on one thread each). Children inherit it; the
     ones that set their own (torchrun launches, the driver's ranks) keep theirs."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
