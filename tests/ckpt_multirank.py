@@ -17,7 +17,6 @@ three steps and the logprobs after them. A resume runs in another launch than it
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from multirank import config, fixed_batch
+from multirank import between_runs, config, fixed_batch
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses import ClippedPGLoss
@@ -105,12 +104,9 @@ def run_job(job: dict) -> None:
 
 
 def main() -> None:
-    from megatron.core import parallel_state
-
     for job in json.loads(Path(sys.argv[1]).read_text()):
         run_job(job)
-        parallel_state.destroy_model_parallel()  # the next job sets up its own groups
-        gc.collect()
+        between_runs()
     dist.destroy_process_group()
 
 

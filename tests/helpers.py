@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -131,6 +133,15 @@ def clean_env() -> dict[str, str]:
     or a single process): no rank variables of ours, one OpenMP thread."""
     drop = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
     return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun(script: Path, *args: object, nproc: int = 2, timeout_s: float = 600) -> None:
+    """`script` under `torchrun --standalone` on `nproc` CPU ranks (`clean_env`); a failed launch
+    fails the test with the end of its stderr."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 class HostReads(TorchFunctionMode):

@@ -287,16 +287,21 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
     worker.shutdown()
 
 
-def main() -> None:
+def between_runs() -> None:
+    """After one run of a launch: the next sets up megatron's groups anew."""
     from megatron.core import parallel_state
 
+    parallel_state.destroy_model_parallel()
+    gc.collect()
+
+
+def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
     for spec in sys.argv[3:]:
         name, tp, pp, *rest = spec.split(":")
         flags = rest[0].split(",") if rest and rest[0] else []
         run_layout(model, out / f"{name}.pt", int(tp), int(pp), flags)
-        parallel_state.destroy_model_parallel()  # the next layout sets up its own groups
-        gc.collect()
+        between_runs()
     dist.destroy_process_group()
 
 

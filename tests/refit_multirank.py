@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from multirank import between_runs
+
 from policyworker.config import ParallelConfig, PolicyConfig
 from policyworker.generation.process import GenerationProcess
 from policyworker.worker import MegatronPolicyWorker
@@ -54,13 +56,11 @@ def run_layout(model: str, out: Path, tp: int, pp: int) -> None:
 
 
 def main() -> None:
-    from megatron.core import parallel_state
-
     model, out = sys.argv[1], Path(sys.argv[2])
     for spec in sys.argv[3:]:
         name, tp, pp = spec.split(":")
         run_layout(model, out / f"{name}.pt", int(tp), int(pp))
-        parallel_state.destroy_model_parallel()  # the next layout sets up its own groups
+        between_runs()
     dist.destroy_process_group()
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from ckpt_multirank import paths, run_resume, run_save
 from conftest import make_worker
-from helpers import clean_env, hf_logprobs, make_batch, make_hf_model
+from helpers import clean_env, hf_logprobs, make_batch, make_hf_model, torchrun
 from multirank import config
 
 from policyworker.checkpoint.commit import CheckpointError
@@ -37,14 +37,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_model(folder, "qwen2", vocab_size=101, tie_word_embeddings=True)
 
 
-def torchrun(jobs: list[dict]) -> None:
+def run_jobs(jobs: list[dict]) -> None:
     """`jobs` (see `ckpt_multirank`) in turn, in one 2-rank launch."""
     spec = Path(jobs[0]["out"]).with_suffix(".jobs.json")
     spec.write_text(json.dumps([{"flags": [], **j} for j in jobs], default=str))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(HERE / "ckpt_multirank.py"), str(spec)]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(HERE / "ckpt_multirank.py", spec)
 
 
 def save_then_resume(jobs: dict[str, dict], folder: Path) -> dict[str, dict]:
@@ -54,8 +51,8 @@ def save_then_resume(jobs: dict[str, dict], folder: Path) -> dict[str, dict]:
         job.setdefault("ckpt", folder / name)
     own = {n: j for n, j in jobs.items() if j["ckpt"] == folder / n}
     if own:
-        torchrun([{**j, "mode": "save", "out": folder / f"{n}.save.pt"} for n, j in own.items()])
-    torchrun([{**j, "mode": "resume", "out": folder / f"{n}.resume.pt"} for n, j in jobs.items()])
+        run_jobs([{**j, "mode": "save", "out": folder / f"{n}.save.pt"} for n, j in own.items()])
+    run_jobs([{**j, "mode": "resume", "out": folder / f"{n}.resume.pt"} for n, j in jobs.items()])
     runs: dict[str, dict] = {name: {} for name in jobs}
     for name in jobs:
         for kind in ("save", "resume") if name in own else ("resume",):

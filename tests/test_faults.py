@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import make_worker
-from helpers import clean_env
+from helpers import clean_env, torchrun
 
 from policyworker.generation.process import GenerationProcess
 from policyworker.refit import buffers
@@ -26,10 +26,7 @@ def test_a_script_that_just_ends_commits_its_async_save_and_exits_cleanly(llama_
     """Under torchrun (CP2, packed): no finalize, no shutdown, no destroy_process_group; both
     ranks exit 0, the pending async save is committed and loads, nothing is left behind."""
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(HERE / "exit_script.py"), str(llama_dir), str(ckpt)]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(HERE / "exit_script.py", llama_dir, ckpt)
     assert sorted(p.name for p in ckpt.iterdir()) == ["optim", "weights"]  # no temporary dirs
     worker = make_worker(llama_dir, max_total_sequence_length=32)
     worker.load_checkpoint(ckpt / "weights", ckpt / "optim")

@@ -2,14 +2,11 @@
 reference logprobs, train metrics and the weights after two GRPO steps (via their logprobs), and
 the loss and gradient norm of a step of ClippedPG (IS, TIS, KL, NLL), DPO and distillation."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_logprobs, make_hf_model
+from helpers import hf_logprobs, make_hf_model, torchrun
 from multirank import config, fixed_batch, layout_results
 
 from policyworker.worker import MegatronPolicyWorker
@@ -55,13 +52,9 @@ def launch(
     folder: Path, out: Path, layouts: dict[str, tuple[int, int, tuple[str, ...]]], nproc: int
 ) -> None:
     """Every layout of `layouts` in one torchrun launch of `nproc` ranks (multirank.py)."""
+    specs = [f"{name}:{tp}:{pp}:{','.join(flags)}" for name, (tp, pp, flags) in layouts.items()]
     script = Path(__file__).parent / "multirank.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", str(script), str(folder), str(out)]
-    cmd += [f"{name}:{tp}:{pp}:{','.join(flags)}" for name, (tp, pp, flags) in layouts.items()]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(script, folder, out, *specs, nproc=nproc, timeout_s=1200)
 
 
 FOUR_RANKS = {

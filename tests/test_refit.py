@@ -3,7 +3,6 @@ versions, the checksum, dead peers on either side, mismatched refit info, bad ar
 
 import json
 import multiprocessing as mp
-import os
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_worker
-from helpers import make_batch, make_hf_model
+from helpers import make_batch, make_hf_model, torchrun
 from refit_peers import dying_trainer, tampering
 from safetensors.torch import load_file
 
@@ -270,12 +269,7 @@ def multirank_refits(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pa
         tmp_path_factory.mktemp("refit_mr"), "qwen2", vocab_size=128, tie_word_embeddings=True
     )
     out = tmp_path_factory.mktemp("refit_mr_out")
-    script = Path(__file__).parent / "refit_multirank.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(script), str(folder), str(out), "tp2:2:1", "pp2:1:2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun(Path(__file__).parent / "refit_multirank.py", folder, out, "tp2:2:1", "pp2:1:2")
     return folder, out
 
 
