@@ -41,7 +41,7 @@ def test_grpo_example_maps_every_value():
         (0.9, 0.999),
         1e-8,
     )
-    assert o.use_distributed_optimizer
+    assert o.use_distributed_optimizer and not o.grad_reduce_in_fp32
     assert (s.style, s.warmup_steps, s.warmup_init, s.decay_steps) == ("constant", 13, 5e-7, 1000)
     p = cfg.sequence_packing
     assert p.enabled and p.train_mb_tokens == p.logprob_mb_tokens == 512 * 4  # ${mul:...}
@@ -56,6 +56,7 @@ def test_inheritance_and_interpolation_of_the_other_examples():
     assert dpo.sequence_packing.make_sequence_length_divisible_by == 4  # ${policy.megatron_cfg...}
     sft = load_config(DATA / MEGATRON[1], ignore_unsupported=True)  # two levels of defaults
     assert sft.max_grad_norm == 0.0  # null: no clipping
+    assert sft.optimizer.grad_reduce_in_fp32  # the example's own true over sft.yaml's false
     distill = load_config(DATA / MEGATRON[2], ignore_unsupported=True)
     p = distill.parallel
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (2, 2)

@@ -11,6 +11,7 @@ from helpers import hf_logprobs, make_batch
 
 from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.losses import ClippedPGConfig, ClippedPGLoss, NLLLoss
+from policyworker.train.optimizer import grad_buffers
 
 
 def _params(worker):
@@ -210,6 +211,30 @@ def test_bfloat16_trains_with_fp32_master_weights(llama_dir):
     # bf16 logprobs stay close to the fp32 reference of the same (initial) weights
     ref = worker.get_reference_policy_logprobs(data=data)["reference_logprobs"]
     assert (ref - hf_logprobs(llama_dir, data)).abs().max() < 0.1
+
+
+def test_bf16_gradient_buffers(llama_dir):
+    """`grad_reduce_in_fp32: false` (NeMo-RL's Megatron recipes): DDP's buffers in bf16. With one
+    micro-batch a step the buffer holds the backward's bf16 gradient exactly, so the steps equal
+    the fp32-buffer worker's bitwise; with two, the sum is rounded to bf16 and stays close."""
+    data = make_batch(batch=4, seq=12, seed=1)
+    results = {}
+    for fp32, mbs in ((True, 4), (False, 4), (True, 2), (False, 2)):
+        opt = OptimizerConfig(lr=1e-3, grad_reduce_in_fp32=fp32)
+        worker = make_worker(
+            llama_dir, precision="bfloat16", optimizer=opt, train_micro_batch_size=mbs
+        )
+        (buffer, *_) = grad_buffers(worker.state.ddp)
+        assert buffer.dtype == (torch.float32 if fp32 else torch.bfloat16)
+        losses = [worker.train(data, NLLLoss())["loss"] for _ in range(3)]
+        weights = dict(worker.export_hf_weights())
+        results[fp32, mbs] = losses, {k: v.clone() for k, v in weights.items()}
+    for fp32 in (True, False):  # train_bs 4: one micro-batch of 4 or two of 2
+        assert results[fp32, 4][0][0] == pytest.approx(results[fp32, 2][0][0], rel=1e-2)
+    (l32, w32), (l16, w16) = results[True, 4], results[False, 4]
+    assert l32 == l16 and all(torch.equal(w32[k], w16[k]) for k in w32)
+    (l32, w32), (l16, w16) = results[True, 2], results[False, 2]
+    assert l16[-1] == pytest.approx(l32[-1], rel=1e-2) and l16[-1] < l16[0]
 
 
 def test_set_learning_rate(llama_dir):

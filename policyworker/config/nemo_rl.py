@@ -63,6 +63,9 @@ MAPPED: dict[str, str] = {
     "megatron_cfg.distributed_data_parallel_config.overlap_grad_reduce": (
         "optimizer.overlap_grad_reduce"
     ),
+    "megatron_cfg.distributed_data_parallel_config.grad_reduce_in_fp32": (
+        "optimizer.grad_reduce_in_fp32"
+    ),
     "megatron_cfg.distributed_data_parallel_config.overlap_param_gather": (
         "optimizer.overlap_param_gather"
     ),

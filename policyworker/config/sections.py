@@ -32,6 +32,11 @@ class OptimizerConfig:
     """Reduce each gradient bucket asynchronously as soon as its last micro-batch's backward has
     made it (megatron DDP's), overlapping the reduce with the rest of the backward in `train()`;
     a streamed step (`train_microbatch`) reduces once, at `finish_train_step`."""
+    grad_reduce_in_fp32: bool = True
+    """Keep DDP's gradient buffers (micro-batch accumulation and the data-parallel reduce) in
+    fp32; false keeps them in the model's dtype — bf16 for a bf16 model, as NeMo-RL's Megatron
+    recipes set it: half the buffer memory and reduce traffic, the sum of micro-batches rounded
+    to bf16. Adam reads fp32 gradients either way (megatron copies bf16 ones up)."""
     overlap_param_gather: bool = False
     """With the distributed optimizer: all-gather the updated parameters bucket by bucket in
     the next forward's pre-hooks instead of at the end of the step. Refit, HF export,

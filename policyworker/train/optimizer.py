@@ -22,11 +22,12 @@ from policyworker.config import OptimizerConfig, SchedulerConfig
 
 
 def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataParallel:
-    """megatron DDP: params and fp32 grads in contiguous buffers, gradients summed over DP
+    """megatron DDP: params and grads (fp32, or the params' dtype: `cfg.grad_reduce_in_fp32`)
+    in contiguous buffers, gradients summed over DP
     (reduce-scattered to their owners with the distributed optimizer); the overlapped reduce and
     gather as `cfg` asks (`train.overlap` runs them)."""
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
         overlap_grad_reduce=cfg.overlap_grad_reduce,
         overlap_param_gather=cfg.overlap_param_gather,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
