@@ -33,12 +33,12 @@ MEDIUM = dict(
 )
 
 
-def bf16_trainer(folder) -> MegatronPolicyWorker:
+def bf16_trainer(folder, **overrides) -> MegatronPolicyWorker:
     """A bf16 worker with an Adam optimizer (lr 1e-3) for 4 x 128-token batches of 2-row
-    micro-batches: the trainer of the refit and checkpoint GPU tests."""
+    micro-batches: the trainer of the refit, checkpoint and optimizer GPU tests."""
     from policyworker.config import OptimizerConfig
 
-    cfg = PolicyConfig(
+    kw = dict(
         model_name=str(folder),
         precision="bfloat16",
         train_global_batch_size=4,
@@ -46,6 +46,7 @@ def bf16_trainer(folder) -> MegatronPolicyWorker:
         max_total_sequence_length=128,
         optimizer=OptimizerConfig(lr=1e-3),
     )
+    cfg = PolicyConfig(**(kw | overrides))
     return MegatronPolicyWorker(cfg)
 
 

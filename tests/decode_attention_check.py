@@ -8,29 +8,13 @@ is checked on the GPU (`gpu_tests/test_gpu_generation.py`); fp32 and fp16 run he
 
 from __future__ import annotations
 
-import os
 import sys
 
+import interpreter  # noqa: F401  (first: Triton in its interpreter)
 import torch
-import triton.runtime.interpreter as interpreter
 
-assert os.environ.get("TRITON_INTERPRET") == "1"
-
-# Triton 3.6's interpreter turns a loaded scalar (a one-element array) into a Python int with
-# int(array), which numpy 2 refuses for arrays of one dimension: a loop bound read from memory
-# fails. The kernel is fine on a GPU; here the conversion takes the element.
-_patch = interpreter._patch_lang_tensor
-
-
-def _patched(tensor, scope):  # type: ignore[no-untyped-def]
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-
-interpreter._patch_lang_tensor = _patched
-
-from policyworker.model.kv_cache import _masked_grouped  # noqa: E402
-from policyworker.ops.decode_attention import decode_attention, splits_for  # noqa: E402
+from policyworker.model.kv_cache import _masked_grouped
+from policyworker.ops.decode_attention import decode_attention, splits_for
 
 CASES = [  # dtype, rows, query heads, key heads, head dim, capacity, positions
     (torch.float32, 3, 8, 2, 64, 200, [199, 17, 0]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import MegatronModule
 
 from policyworker.config import OptimizerConfig, SchedulerConfig
+from policyworker.ops.adamw import AdamWGroup, FusedAdamW
+
+_KERNEL: WeakKeyDictionary[MegatronOptimizer, FusedAdamW] = WeakKeyDictionary()
+"""The parts `optimizer_step` steps with our one-pass kernel (`ops.adamw`), chosen at build."""
 
 
 def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataParallel:
@@ -64,6 +69,9 @@ def build_optimizer(
     )
     optimizer = get_megatron_optimizer(mcore_cfg, [ddp])
     _use_fused_adamw(optimizer)
+    for part in optimizer_parts(optimizer):
+        if _kernel_fits(part):
+            _KERNEL[part] = FusedAdamW()
     return optimizer
 
 
@@ -86,6 +94,54 @@ def _use_fused_adamw(optimizer: MegatronOptimizer) -> None:
             group["fused"], group["foreach"] = True, False
 
 
+def _kernel_fits(part: MegatronOptimizer) -> bool:
+    """Our kernel steps bf16 models' fp32 masters on the GPU (plain AdamW, masters not sharded:
+    the distributed optimizer keeps megatron's own step); elsewhere torch's fused AdamW."""
+    if type(part) is not Float16OptimizerWithFloat16Params:
+        return False
+    params = [p for g in part.float16_groups for p in g]
+    plain = not any(g["amsgrad"] or g["maximize"] for g in part.optimizer.param_groups)
+    return bool(params) and params[0].is_cuda and plain
+
+
+def _kernel_groups(part: Float16OptimizerWithFloat16Params) -> list[AdamWGroup]:
+    """The part's param groups as the kernel takes them: masters paired with their bf16 model
+    weights, and fp32 model params (their own masters) apart; Adam's state created as torch's
+    `_init_group` creates it, where a param steps for the first time."""
+    torch_opt = part.optimizer
+    groups = []
+    for i, hp in enumerate(torch_opt.param_groups):
+        masters, weights = part.fp32_from_float16_groups[i], part.float16_groups[i]
+        pairs = [(m, w) for m, w in zip(masters, weights, strict=True) if m.grad is not None]
+        fp32 = [p for p in part.fp32_from_fp32_groups[i] if p.grad is not None]
+        for params, model in (([m for m, _ in pairs], [w for _, w in pairs]), (fp32, None)):
+            states = [_adam_state(torch_opt, p) for p in params]
+            groups.append(
+                AdamWGroup(
+                    params=params,
+                    exp_avgs=[s["exp_avg"] for s in states],
+                    exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+                    steps=[s["step"] for s in states],
+                    grads=[p.grad for p in params],
+                    model=model,
+                    lr=float(hp["lr"]),
+                    weight_decay=float(hp["weight_decay"]),
+                    betas=(float(hp["betas"][0]), float(hp["betas"][1])),
+                    eps=float(hp["eps"]),
+                )
+            )
+    return groups
+
+
+def _adam_state(torch_opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    state = torch_opt.state[p]
+    if not state:  # as torch's fused AdamW starts a param's state
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
 @torch.no_grad()
 def optimizer_step(
     optimizer: MegatronOptimizer,
@@ -106,10 +162,11 @@ def optimizer_step(
     TE/apex megatron's helpers loop per tensor (its l2 norm syncs the host once per tensor, its
     clip and master->model copy allocate a temporary per tensor). Here: one multi-tensor norm,
     the clip folded into fused AdamW's `grad_scale` (the kernel divides each gradient as it reads
-    it), one multi-tensor master->model copy. A non-finite norm (NaN or inf in any gradient, on
-    any rank of the grad-stats group) applies nothing: fused AdamW's `found_inf` skips the update
-    on the device (weights, moments and step counts untouched), and the copy writes back the
-    unchanged masters.
+    it), one multi-tensor master->model copy — or, for a bf16 model on the GPU, our kernel
+    (`ops.adamw`: the same Adam, the copy in the same pass). A non-finite norm (NaN or inf in
+    any gradient, on any rank of the grad-stats group) applies nothing: `found_inf` skips the
+    update on the device (weights, moments and step counts untouched), and the copy writes
+    back the unchanged masters.
     """
     parts = optimizer_parts(optimizer)
     for part in parts:
@@ -121,6 +178,10 @@ def optimizer_step(
     grad_scale = (divisor * clip.clamp_min(1.0)).float()
     found_inf = (~applied).float()
     for part in parts:
+        kernel = _KERNEL.get(part)
+        if kernel is not None:  # Adam and the bf16 copy in one pass
+            kernel.step(_kernel_groups(part), grad_scale, found_inf)
+            continue
         torch_opt = part.optimizer
         # read by Adam.step: fused AdamW divides by grad_scale and skips where found_inf is 1
         torch_opt.grad_scale = grad_scale  # type: ignore[attr-defined]

@@ -1,0 +1,44 @@
+"""The one-pass AdamW kernel (`ops/adamw.py`) in Triton's interpreter on the CPU
+(`adamw_check.py`, a process of its own) against torch's fused AdamW: several tensors across
+chunk boundaries and of one element, a grad scale, weight decay, a step skipped by found_inf
+(nothing changes, step counts included), state tensors replaced between steps; then a bf16
+worker's clipped train step through the kernel against the same worker through torch. The
+interpreter rounds differently from the GPU (see the script), so the bounds here are loose and
+the GPU test (`gpu_tests/test_gpu_adamw.py`) checks bitwise equality."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import clean_env, make_hf_model
+
+HERE = Path(__file__).parent
+LR = 1e-3
+
+
+@pytest.mark.processes
+def test_kernel_equals_torch_adamw_in_the_interpreter(tmp_path):
+    folder = make_hf_model(tmp_path / "m", "llama")
+    run = subprocess.run(
+        [sys.executable, str(HERE / "adamw_check.py"), str(folder)],
+        env={**clean_env(), "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    tensors, worker = (json.loads(line) for line in run.stdout.splitlines()[-2:])
+    assert tensors["skip_changed_nothing"]
+    assert tensors["steps"] == tensors["torch_steps"] == [4.0] * 5
+    assert tensors["moved"] > 3 * LR  # every tensor took its steps
+    assert tensors["p_err"] < 5e-4 * LR
+    assert tensors["m_err"] < 1e-8 and tensors["v_rel"] < 2e-4
+    assert tensors["bf16_ulps"] <= 1.0
+    assert worker["clipped"]
+    assert worker["moved_min"] > 0.5 * LR
+    assert worker["master_err"] < 5e-4 * LR
+    assert worker["weights_bf16_ulps"] <= 1.0
