@@ -24,12 +24,14 @@ if not torch.cuda.is_available():
 SIZES = [300_001, 7, 2048 * 3, 1, 65_536 * 2 + 5]
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_kernel_is_bitwise_torch_fused_adamw(grad_dtype):
+def test_kernel_is_bitwise_torch_fused_adamw(grad_dtype, packed):
     """Four steps (one skipped by found_inf) with a grad scale that is not 1 and weight decay:
     masters, moments and step counts bitwise equal to torch's fused AdamW, the bf16 weights
     equal to the masters rounded. bf16 gradients: torch is given them in fp32 (what megatron
-    hands it)."""
+    hands it). `packed`: the bf16 weights are views of one buffer, as in megatron's DDP, at
+    offsets that are not 16-byte aligned (the kernel's unvectorized path)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     masters = [torch.randn(n, device="cuda", generator=gen) * 0.02 for n in SIZES]
     grads = [(torch.randn(n, device="cuda", generator=gen) * 1e-3).to(grad_dtype) for n in SIZES]
@@ -40,6 +42,9 @@ def test_kernel_is_bitwise_torch_fused_adamw(grad_dtype):
     v = [torch.zeros_like(p) for p in ours]
     steps = [torch.zeros((), device="cuda") for _ in ours]
     model = [torch.empty(n, device="cuda", dtype=torch.bfloat16) for n in SIZES]
+    if packed:
+        model = list(torch.empty(sum(SIZES), device="cuda", dtype=torch.bfloat16).split(SIZES))
+        assert any(w.data_ptr() % 16 for w in model)
     kernel, scale = FusedAdamW(), torch.tensor(1.37, device="cuda")
     for i in range(4):
         found_inf = torch.tensor(float(i == 2), device="cuda")
