@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +32,9 @@ if DEV == "cpu":  # the CPU smoke runs the kernel in Triton's interpreter, patch
     import interpreter  # noqa: F401
 
 from policyworker.ops.adamw import AdamWGroup, FusedAdamW  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from train_bench import event_ms  # noqa: E402
 
 
 def shapes(
@@ -45,17 +49,9 @@ def shapes(
     return [*s, (h,), (vocab, h)]
 
 
-def _timed(fn, iters: int = 5) -> float:
+def _timed(fn: Callable[[], object], iters: int = 5) -> float:
     """ms per call on the GPU (after one warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+    return event_ms(fn, iters, warmup=1)
 
 
 def numerics(sizes: list[int], scale: torch.Tensor) -> dict[str, object]:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench import emit
+from train_bench import emit, event_ms
 
 HEADS, KV_HEADS, DIM = 32, 8, 64
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -89,16 +89,7 @@ def warm_ms(kernel: Kernel, x: list[torch.Tensor], repeats: int, backward: bool)
         if backward:
             out.sum().backward()
 
-    for _ in range(2):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        call()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
+    return event_ms(call, repeats)
 
 
 def first_call_ms(kernel: Kernel, length: int) -> float:

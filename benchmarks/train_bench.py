@@ -117,6 +117,20 @@ def timed(step: Callable[[], None], steps: int, warmup: int = 2) -> float:
     return times[len(times) // 2]
 
 
+def event_ms(call: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Mean GPU milliseconds per call between two CUDA events, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def profile_table(name: str, step: Callable[[], None], rows: int = 25) -> None:
     """One more `step()` under torch.profiler; its ops by own time (the device's on GPU) to
     stderr — where a step's time goes, beside the timings."""
