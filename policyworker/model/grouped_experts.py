@@ -14,7 +14,7 @@ parallel and expert tensor parallel 1, dropless, all-to-all dispatch) it routes 
 `LocalTokenDispatcher`, which never reads the per-expert token counts back to the host: megatron's
 dispatcher synchronized with the device once per MoE layer for them (for SequentialMLP's split and
 for its sort by local expert, the identity on one rank), leaving the GPU idle while the host
-caught up.
+caught up. It moves the tokens with gathers, without megatron's atomic adds.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from policyworker.ops.token_gather import combine, dispatch, token_slots
 
 
 class GroupedExperts(SequentialMLP):
@@ -54,9 +56,28 @@ class GroupedExperts(SequentialMLP):
 
 class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Megatron's all-to-all dispatcher where every expert is on this rank: the tokens are
-    permuted by expert as megatron does, and the per-expert counts stay on the device, where
+    sorted by expert in megatron's order, and the per-expert counts stay on the device, where
     `GroupedExperts` reads them (its grouped GEMMs take device offsets). The sort by local
-    expert after the exchange, and its inverse, are identities with one rank and are skipped."""
+    expert after the exchange, and its inverse, are identities with one rank and are skipped.
+    Tokens move to their experts and back by gathers (`ops.token_gather`), where megatron's
+    `permute`/`unpermute` add atomically (its `index_add_` backward and `scatter_add_`)."""
+
+    def dispatch_preprocess(
+        self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.hidden_shape = hidden_states.shape
+        self.probs, self.routing_map = probs, routing_map
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        # megatron's order: by expert, then by token (routing_map has exactly top-k per token)
+        order = routing_map.T.reshape(-1).argsort(descending=True, stable=True)
+        order = order[: self.num_out_tokens]
+        self.rows = order % tokens.shape[0]
+        self.slots = token_slots(self.rows, tokens.shape[0], self.config.moe_router_topk)
+        return dispatch(tokens, self.rows, self.slots), probs.T.reshape(-1)[order]
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return combine(hidden_states, self.rows, self.slots).view(self.hidden_shape)
 
     def _maybe_dtoh_and_synchronize(
         self, point: str, tokens_per_expert: torch.Tensor | None = None
