@@ -63,10 +63,9 @@ def test_kernel_is_bitwise_torch_fused_adamw(grad_dtype, packed):
         assert torch.equal(model[i], ours[i].bfloat16()), i
 
 
-def _train(folder, kernel: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    worker = bf16_trainer(  # clipping on: the grad scale is not 1
-        folder, max_grad_norm=0.5, optimizer=OptimizerConfig(lr=1e-3, weight_decay=0.1)
-    )
+def _train(folder, kernel: bool, fp32_buffers: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = OptimizerConfig(lr=1e-3, weight_decay=0.1, grad_reduce_in_fp32=fp32_buffers)
+    worker = bf16_trainer(folder, max_grad_norm=0.5, optimizer=opt)  # clipped: grad scale not 1
     (part,) = worker.state.optimizer.chained_optimizers
     assert part in optimizer_module._KERNEL  # chosen at build on the GPU
     if not kernel:  # what the CPU runs: torch's fused AdamW and the foreach copy
@@ -78,12 +77,14 @@ def _train(folder, kernel: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, weights
 
 
-def test_worker_steps_equal_with_and_without_the_kernel(tmp_path):
+@pytest.mark.parametrize("fp32_buffers", [True, False])
+def test_worker_steps_equal_with_and_without_the_kernel(tmp_path, fp32_buffers):
     """Three clipped bf16 train steps of a worker: the same losses and bitwise the same weights
-    with the kernel as with torch's fused AdamW."""
+    with the kernel as with torch's fused AdamW; with fp32 gradient buffers and with bf16 ones
+    (the kernel reads those directly, torch's path copies them into fp32 `.grad`s)."""
     folder = make_hf_model(tmp_path, vocab_size=1024, hidden_size=256, intermediate_size=512)
-    losses_kernel, w_kernel = _train(folder, kernel=True)
-    losses_torch, w_torch = _train(folder, kernel=False)
+    losses_kernel, w_kernel = _train(folder, kernel=True, fp32_buffers=fp32_buffers)
+    losses_torch, w_torch = _train(folder, kernel=False, fp32_buffers=fp32_buffers)
     assert losses_kernel == losses_torch
     assert w_kernel.keys() == w_torch.keys()
     for name, value in w_kernel.items():

@@ -77,9 +77,11 @@ def kernel_against_torch() -> dict[str, object]:
     return out
 
 
-def worker_against_torch(folder: str) -> dict[str, object]:
+def worker_against_torch(folder: str, grad_reduce_in_fp32: bool) -> dict[str, object]:
     """A bf16 worker's clipped train step, once with the kernel (as on a GPU) and once with
-    torch's fused AdamW: the masters, and the bf16 weights against them. One step: Adam turns
+    torch's fused AdamW: the masters, the bf16 weights against them, and the grad norm (the
+    kernel's path reads DDP's buffers, fp32 or bf16, where torch's reads the masters' fp32
+    `.grad` copies). One step: Adam turns
     the interpreter's bf16 truncation (an ulp in some weights) into differences of up to lr in
     the next step's update of near-zero gradients."""
     sys.path.insert(0, os.path.dirname(__file__))
@@ -100,7 +102,9 @@ def worker_against_torch(folder: str) -> dict[str, object]:
                 train_micro_batch_size=2,
                 max_total_sequence_length=64,
                 max_grad_norm=0.05,
-                optimizer=OptimizerConfig(lr=LR, weight_decay=0.1),
+                optimizer=OptimizerConfig(
+                    lr=LR, weight_decay=0.1, grad_reduce_in_fp32=grad_reduce_in_fp32
+                ),
             )
         )
         (part,) = worker.state.optimizer.chained_optimizers
@@ -113,9 +117,11 @@ def worker_against_torch(folder: str) -> dict[str, object]:
         weights = [p.detach().clone() for g in part.float16_groups for p in g]
         runs.append((norm, initial, masters, weights))
         worker.shutdown()
-    (norm, initial, masters_k, weights_k), (_, _, masters_t, _) = runs
+    (norm, initial, masters_k, weights_k), (norm_t, _, masters_t, _) = runs
     pairs = zip(masters_k, masters_t, strict=True)
     return {
+        "grad_reduce_in_fp32": grad_reduce_in_fp32,
+        "norm_rel": abs(norm - norm_t) / norm_t,
         "clipped": norm > 0.05,
         "master_err": max(float((a - b).abs().max()) for a, b in pairs),
         "moved_min": min(
@@ -130,4 +136,5 @@ def worker_against_torch(folder: str) -> dict[str, object]:
 if __name__ == "__main__":
     print(json.dumps(kernel_against_torch()))
     if len(sys.argv) > 1:
-        print(json.dumps(worker_against_torch(sys.argv[1])))
+        for fp32_buffers in (True, False):
+            print(json.dumps(worker_against_torch(sys.argv[1], fp32_buffers)))

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import clean_env, make_hf_model
 
+from policyworker.train import optimizer as optimizer_module
+
 HERE = Path(__file__).parent
 LR = 1e-3
 
@@ -31,14 +33,46 @@ def test_kernel_equals_torch_adamw_in_the_interpreter(tmp_path):
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    tensors, worker = (json.loads(line) for line in run.stdout.splitlines()[-2:])
+    tensors, *workers = (json.loads(line) for line in run.stdout.splitlines()[-3:])
     assert tensors["skip_changed_nothing"] and not tensors["aligned"]
     assert tensors["steps"] == tensors["torch_steps"] == [4.0] * 5
     assert tensors["moved"] > 3 * LR  # every tensor took its steps
     assert tensors["p_err"] < 5e-4 * LR
     assert tensors["m_err"] < 1e-8 and tensors["v_rel"] < 2e-4
     assert tensors["bf16_ulps"] <= 1.0
-    assert worker["clipped"]
-    assert worker["moved_min"] > 0.5 * LR
-    assert worker["master_err"] < 5e-4 * LR
-    assert worker["weights_bf16_ulps"] <= 1.0
+    assert [w["grad_reduce_in_fp32"] for w in workers] == [True, False]
+    for worker in workers:  # fp32 and bf16 gradient buffers
+        assert worker["clipped"] and worker["norm_rel"] < 1e-6
+        assert worker["moved_min"] > 0.5 * LR
+        assert worker["master_err"] < 5e-4 * LR
+        assert worker["weights_bf16_ulps"] <= 1.0
+
+
+def test_kernel_norm_picks_megatrons_gradients(tmp_path):
+    """The kernel's grad norm reads DDP's buffers itself (`_kernel_norm_grads`): the same
+    tensors, in the same order, as megatron's `get_grads_for_grad_norm` after its
+    `prepare_grads` (fp32 buffers: the masters' `.grad` are views of them)."""
+    from helpers import make_batch
+
+    from policyworker.config import PolicyConfig
+    from policyworker.losses import NLLLoss
+    from policyworker.worker import MegatronPolicyWorker
+
+    folder = make_hf_model(tmp_path / "m", "qwen2", tie_word_embeddings=True)
+    worker = MegatronPolicyWorker(
+        PolicyConfig(
+            model_name=str(folder),
+            precision="bfloat16",
+            train_global_batch_size=2,
+            train_micro_batch_size=2,
+            max_total_sequence_length=32,
+        )
+    )
+    worker.train(make_batch(batch=2, seq=12), NLLLoss())  # on the CPU: torch's path
+    (part,) = worker.state.optimizer.chained_optimizers
+    part.prepare_grads()
+    ours = optimizer_module._kernel_norm_grads(part)
+    megatrons = part.get_grads_for_grad_norm()
+    assert len(ours) == len(megatrons) == len(part.get_parameters())
+    assert [g.data_ptr() for g in ours] == [g.data_ptr() for g in megatrons]
+    worker.shutdown()

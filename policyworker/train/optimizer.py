@@ -17,7 +17,11 @@ from megatron.core.optimizer.optimizer import (
     MegatronOptimizer,
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.tensor_parallel.layers import (
+    param_is_not_gtp_duplicate,
+    param_is_not_tensor_parallel_duplicate,
+)
+from megatron.core.transformer.module import MegatronModule, param_is_not_shared
 
 from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.ops.adamw import AdamWGroup, FusedAdamW
@@ -106,15 +110,17 @@ def _kernel_fits(part: MegatronOptimizer) -> bool:
 
 def _kernel_groups(part: Float16OptimizerWithFloat16Params) -> list[AdamWGroup]:
     """The part's param groups as the kernel takes them: masters paired with their bf16 model
-    weights, and fp32 model params (their own masters) apart; Adam's state created as torch's
-    `_init_group` creates it, where a param steps for the first time."""
+    weights, and fp32 model params (their own masters) apart; the gradients straight from
+    DDP's buffers (`main_grad`, fp32 or bf16: the kernel reads either; megatron's
+    `prepare_grads` would copy a bf16 buffer into fp32 `.grad`s, a pass and 4 bytes a
+    parameter); Adam's state created as torch's `_init_group` creates it, where a param steps
+    for the first time."""
     torch_opt = part.optimizer
     groups = []
     for i, hp in enumerate(torch_opt.param_groups):
         masters, weights = part.fp32_from_float16_groups[i], part.float16_groups[i]
-        pairs = [(m, w) for m, w in zip(masters, weights, strict=True) if m.grad is not None]
-        fp32 = [p for p in part.fp32_from_fp32_groups[i] if p.grad is not None]
-        for params, model in (([m for m, _ in pairs], [w for _, w in pairs]), (fp32, None)):
+        fp32 = part.fp32_from_fp32_groups[i]
+        for params, model in ((masters, weights), (fp32, None)):
             states = [_adam_state(torch_opt, p) for p in params]
             groups.append(
                 AdamWGroup(
@@ -122,7 +128,7 @@ def _kernel_groups(part: Float16OptimizerWithFloat16Params) -> list[AdamWGroup]:
                     exp_avgs=[s["exp_avg"] for s in states],
                     exp_avg_sqs=[s["exp_avg_sq"] for s in states],
                     steps=[s["step"] for s in states],
-                    grads=[p.grad for p in params],
+                    grads=[p.main_grad for p in (model if model is not None else params)],
                     model=model,
                     lr=float(hp["lr"]),
                     weight_decay=float(hp["weight_decay"]),
@@ -131,6 +137,23 @@ def _kernel_groups(part: Float16OptimizerWithFloat16Params) -> list[AdamWGroup]:
                 )
             )
     return groups
+
+
+def _kernel_norm_grads(part: Float16OptimizerWithFloat16Params) -> list[torch.Tensor]:
+    """The gradients megatron's `get_grads_for_grad_norm` picks (each counted once: not a TP
+    duplicate, not a shared copy of the embedding), in its order, read from DDP's buffers."""
+    weight_of = {
+        id(m): w
+        for masters, weights in zip(part.fp32_from_float16_groups, part.float16_groups, strict=True)
+        for m, w in zip(masters, weights, strict=True)
+    }
+    return [
+        weight_of.get(id(p), p).main_grad
+        for p in part.get_parameters()
+        if param_is_not_shared(p)
+        and param_is_not_tensor_parallel_duplicate(p, part.tp_group, part.expert_tp_group)
+        and param_is_not_gtp_duplicate(p)
+    ]
 
 
 def _adam_state(torch_opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -170,7 +193,8 @@ def optimizer_step(
     """
     parts = optimizer_parts(optimizer)
     for part in parts:
-        part.prepare_grads()  # main params' .grad <- DDP's fp32 main_grad (views, no copy)
+        if part not in _KERNEL:
+            part.prepare_grads()  # main params' .grad <- DDP's main_grad (fp32: views, no copy)
     divisor = torch.as_tensor(grad_divisor, dtype=torch.float64, device=device)
     norm = global_grad_norm(parts, device) / divisor
     applied = torch.isfinite(norm)
@@ -239,10 +263,11 @@ def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> to
     over each part's grad-stats group."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for part in parts:
-        grads = part.get_grads_for_grad_norm()
+        kernel = part in _KERNEL
+        grads = _kernel_norm_grads(part) if kernel else part.get_grads_for_grad_norm()
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
-            sq += torch.stack(torch._foreach_norm(grads)).float().square().sum()
+            sq += torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
         dist.all_reduce(sq, group=part.get_grad_stats_parallel_group())
         total += sq[0]
     return total.double().sqrt()
