@@ -109,7 +109,8 @@ def worker_against_torch(folder: str, grad_reduce_in_fp32: bool) -> dict[str, ob
         )
         (part,) = worker.state.optimizer.chained_optimizers
         if kernel:  # what `build_optimizer` chooses on a GPU
-            optimizer_module._KERNEL[part] = FusedAdamW()
+            norm_params = optimizer_module._norm_params(part)
+            optimizer_module._KERNEL[part] = optimizer_module._KernelPart(FusedAdamW(), norm_params)
         assert (part in optimizer_module._KERNEL) == kernel
         initial = [p.detach().clone() for g in part.fp32_from_float16_groups for p in g]
         norm = worker.train(make_batch(batch=4, seq=12, seed=1), NLLLoss())["grad_norm"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import clean_env, make_hf_model
 
 from policyworker.train import optimizer as optimizer_module
@@ -49,7 +50,7 @@ def test_kernel_equals_torch_adamw_in_the_interpreter(tmp_path):
 
 
 def test_kernel_norm_picks_megatrons_gradients(tmp_path):
-    """The kernel's grad norm reads DDP's buffers itself (`_kernel_norm_grads`): the same
+    """The kernel's grad norm reads DDP's buffers itself (`_norm_params`' main_grad): the same
     tensors, in the same order, as megatron's `get_grads_for_grad_norm` after its
     `prepare_grads` (fp32 buffers: the masters' `.grad` are views of them)."""
     from helpers import make_batch
@@ -71,8 +72,27 @@ def test_kernel_norm_picks_megatrons_gradients(tmp_path):
     worker.train(make_batch(batch=2, seq=12), NLLLoss())  # on the CPU: torch's path
     (part,) = worker.state.optimizer.chained_optimizers
     part.prepare_grads()
-    ours = optimizer_module._kernel_norm_grads(part)
+    ours = [p.main_grad for p in optimizer_module._norm_params(part)]
     megatrons = part.get_grads_for_grad_norm()
     assert len(ours) == len(megatrons) == len(part.get_parameters())
     assert [g.data_ptr() for g in ours] == [g.data_ptr() for g in megatrons]
     worker.shutdown()
+
+
+def test_groups_that_do_not_line_up_are_refused_before_any_launch():
+    from policyworker.ops.adamw import AdamWGroup, FusedAdamW
+
+    def group(grads: list[torch.Tensor]) -> AdamWGroup:
+        params = [torch.zeros(4), torch.zeros(3)]
+        return AdamWGroup(params, [torch.zeros(4), torch.zeros(3)], [torch.zeros(4), torch.zeros(3)],
+                          [torch.zeros(()), torch.zeros(())], grads, None, 1e-3, 0.0, (0.9, 0.99),
+                          1e-8)  # fmt: skip
+
+    scale, found_inf = torch.ones(()), torch.zeros(())
+    with pytest.raises(ValueError, match="sizes differ"):
+        FusedAdamW().step([group([torch.zeros(4), torch.zeros(5)])], scale, found_inf)
+    with pytest.raises(ValueError, match="different dtypes"):
+        grads = [torch.zeros(4), torch.zeros(3, dtype=torch.bfloat16)]
+        FusedAdamW().step([group(grads)], scale, found_inf)
+    with pytest.raises(ValueError, match="different lengths"):
+        FusedAdamW().step([group([torch.zeros(4)])], scale, found_inf)

@@ -133,8 +133,9 @@ class AdamWGroup:
 
 
 class _Tables:
-    """A group's address and chunk tables on the device, rebuilt only when an address or a size
-    changes (building them copies to the device, which waits for it)."""
+    """A group's address and chunk tables on the device, rebuilt (and the group's tensors
+    checked) only when an address or a size changes: building them copies to the device, which
+    waits for it."""
 
     def __init__(self) -> None:
         self.key: tuple[int, ...] = ()
@@ -147,7 +148,8 @@ class _Tables:
         addresses = [t.data_ptr() for tensors in lists for t in tensors]
         sizes = [p.numel() for p in group.params]
         key = (*addresses, *sizes)
-        if key != self.key:
+        if key != self.key:  # new tensors: checked once, not every step
+            _check(group)
             device = group.params[0].device
             self.tables = torch.tensor([*addresses, *[0] * len(sizes), *sizes], device=device)
             chunks = [(t, c) for t, n in enumerate(sizes) for c in range(triton.cdiv(n, CHUNK))]
@@ -174,7 +176,6 @@ class FusedAdamW:
             self._tables.append(_Tables())
         for group, cache in zip(groups, self._tables, strict=False):
             if group.params:
-                _check(group)
                 _step_group(group, cache.get(group), grad_scale, found_inf)
 
 
@@ -216,3 +217,5 @@ def _check(group: AdamWGroup) -> None:
             same.append(group.model[i])
         if any(t.numel() != p.numel() or not t.is_contiguous() for t in [p, *same]):
             raise ValueError(f"AdamWGroup: tensor {i}: sizes differ or not contiguous")
+    if len({g.dtype for g in group.grads}) > 1:
+        raise ValueError("AdamWGroup: gradients of different dtypes")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
 import torch
@@ -27,8 +28,18 @@ from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.model.grouped_experts import GroupedExperts
 from policyworker.ops.adamw import AdamWGroup, FusedAdamW
 
-_KERNEL: WeakKeyDictionary[MegatronOptimizer, FusedAdamW] = WeakKeyDictionary()
-"""The parts `optimizer_step` steps with our one-pass kernel (`ops.adamw`), chosen at build."""
+
+@dataclass(frozen=True)
+class _KernelPart:
+    """A part `optimizer_step` steps with our one-pass kernel (`ops.adamw`), chosen at build:
+    the kernel, and the params whose `main_grad` its grad norm reads (megatron's selection,
+    which depends only on the params, made once)."""
+
+    adamw: FusedAdamW
+    norm_params: list[torch.nn.Parameter]
+
+
+_KERNEL: WeakKeyDictionary[MegatronOptimizer, _KernelPart] = WeakKeyDictionary()
 
 
 def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataParallel:
@@ -80,7 +91,7 @@ def build_optimizer(
     _use_fused_adamw(optimizer)
     for part in optimizer_parts(optimizer):
         if _kernel_fits(part):
-            _KERNEL[part] = FusedAdamW()
+            _KERNEL[part] = _KernelPart(FusedAdamW(), _norm_params(part))
     return optimizer
 
 
@@ -144,16 +155,16 @@ def _kernel_groups(part: Float16OptimizerWithFloat16Params) -> list[AdamWGroup]:
     return groups
 
 
-def _kernel_norm_grads(part: Float16OptimizerWithFloat16Params) -> list[torch.Tensor]:
-    """The gradients megatron's `get_grads_for_grad_norm` picks (each counted once: not a TP
-    duplicate, not a shared copy of the embedding), in its order, read from DDP's buffers."""
+def _norm_params(part: Float16OptimizerWithFloat16Params) -> list[torch.nn.Parameter]:
+    """The model params whose gradients megatron's `get_grads_for_grad_norm` picks (each counted
+    once: not a TP duplicate, not a shared copy of the embedding), in its order."""
     weight_of = {
         id(m): w
         for masters, weights in zip(part.fp32_from_float16_groups, part.float16_groups, strict=True)
         for m, w in zip(masters, weights, strict=True)
     }
     return [
-        weight_of.get(id(p), p).main_grad
+        weight_of.get(id(p), p)
         for p in part.get_parameters()
         if param_is_not_shared(p)
         and param_is_not_tensor_parallel_duplicate(p, part.tp_group, part.expert_tp_group)
@@ -209,7 +220,7 @@ def optimizer_step(
     for part in parts:
         kernel = _KERNEL.get(part)
         if kernel is not None:  # Adam and the bf16 copy in one pass
-            kernel.step(_kernel_groups(part), grad_scale, found_inf)
+            kernel.adamw.step(_kernel_groups(part), grad_scale, found_inf)
             continue
         torch_opt = part.optimizer
         # read by Adam.step: fused AdamW divides by grad_scale and skips where found_inf is 1
@@ -268,8 +279,11 @@ def global_grad_norm(parts: list[MegatronOptimizer], device: torch.device) -> to
     over each part's grad-stats group."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     for part in parts:
-        kernel = part in _KERNEL
-        grads = _kernel_norm_grads(part) if kernel else part.get_grads_for_grad_norm()
+        kernel = _KERNEL.get(part)
+        if kernel is not None:  # read from DDP's buffers, fp32 or bf16
+            grads = [p.main_grad for p in kernel.norm_params]
+        else:
+            grads = part.get_grads_for_grad_norm()
         sq = torch.zeros(1, dtype=torch.float32, device=device)
         if grads:
             sq += torch.stack(torch._foreach_norm(grads, dtype=torch.float32)).square().sum()
