@@ -31,35 +31,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from policyworker.ops.token_gather import combine, dispatch, token_slots
 
 
-class _StackedWeights(torch.autograd.Function):
-    """`torch.stack(weights)`, whose backward adds each expert's gradient into its DDP
-    `main_grad` itself (one multi-tensor add) and hands autograd no gradient for them: DDP's
-    per-parameter hook (Python, and a kernel of its own) then does not run once per expert,
-    which left the GPU waiting on the host in every MoE layer's backward."""
-
-    @staticmethod
-    def forward(ctx, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.weights = weights
-        return torch.stack(weights)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, ...]:
-        weights: tuple[torch.Tensor, ...] = ctx.weights
-        torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
-        return (None,) * len(weights)
-
-
 class GroupedExperts(SequentialMLP):
     """SequentialMLP's experts on one grouped GEMM per projection."""
-
-    grads_into_main_grad = False
-    """Set by `train.optimizer.wrap_ddp` where DDP does not overlap its reduce with the backward
-    (that needs each parameter's hook): the experts' gradients go into DDP's buffers directly."""
-
-    def _stack(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        if self.grads_into_main_grad and torch.is_grad_enabled():
-            return _StackedWeights.apply(*weights)
-        return torch.stack(weights)
 
     def forward(
         self,
@@ -72,8 +45,8 @@ class GroupedExperts(SequentialMLP):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states
         ends = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
-        fc1 = self._stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]
-        fc2 = self._stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I]
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I]
         hidden = F.grouped_mm(x, fc1.transpose(1, 2), offs=ends)
         gate, up = hidden.chunk(2, dim=-1)
         inner = config.activation_func(gate) * up

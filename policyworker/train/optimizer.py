@@ -25,7 +25,6 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.module import MegatronModule, param_is_not_shared
 
 from policyworker.config import OptimizerConfig, SchedulerConfig
-from policyworker.model.grouped_experts import GroupedExperts
 from policyworker.ops.adamw import AdamWGroup, FusedAdamW
 
 
@@ -55,10 +54,6 @@ def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataPara
         check_for_nan_in_grad=False,  # non-finite grads skip the step instead (see train.step)
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    if not cfg.overlap_grad_reduce:  # the overlapped reduce needs every parameter's hook
-        for module in model.modules():
-            if isinstance(module, GroupedExperts):
-                module.grads_into_main_grad = True
     # The schedule never reduces gradients: a step may span several schedule calls
     # (split-step training), and `train.lifecycle.finish_step` finalizes once, itself.
     model.config.finalize_model_grads_func = None
