@@ -18,7 +18,8 @@ attention (6 · L · s · h per token) against 790 TFLOP/s. Prints one JSON line
     python benchmarks/moe_bench.py [--layers 10] [--experts 48] [--topk 8] [--steps 5]
     python benchmarks/moe_bench.py --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 \\
         --experts 8 --topk 2 --expert-ffn 32 --vocab 128 --seq 32 --batch 2 --steps 1   # CPU smoke
-    add --profile for an op table of one train step of ours and of transformers (stderr)
+    add --profile for an op table of one train step of ours and of transformers, the device's
+    busy time against the step's, and the host's Python functions by own time (stderr)
 
 The default shape needs the H200's memory (the three models run in turn in one process); on an
 80 GB card `--layers 6` (2.10B parameters) fits.

@@ -133,16 +133,55 @@ def event_ms(call: Callable[[], object], repeats: int, warmup: int = 2) -> float
 
 def profile_table(name: str, step: Callable[[], None], rows: int = 25) -> None:
     """One more `step()` under torch.profiler; its ops by own time (the device's on GPU) to
-    stderr — where a step's time goes, beside the timings."""
+    stderr — where a step's time goes, beside the timings. On the GPU also how long the device
+    was busy (the union of its kernels' spans) against the step's wall time; then one more
+    `step()` under cProfile (backward included), its Python functions by own time: where the
+    host spends a step the device waits for."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    start = time.perf_counter()
     with profile(activities=acts) as prof:
         step()
         sync()
+    wall_ms = (time.perf_counter() - start) * 1e3
     key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
     print(f"--- profile: {name}\n{table}", file=sys.stderr, flush=True)
+    if DEVICE == "cuda":
+        kernels = [
+            (e.time_range.start, e.time_range.end)
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ]
+        busy = union_ms(kernels)
+        line = f"device busy {busy:.1f} ms of a {wall_ms:.1f} ms step (under the profiler)"
+        print(f"--- {name}: {line}", file=sys.stderr, flush=True)
+    host = cProfile.Profile()
+    # the backward on this thread (on the GPU autograd runs it on a device thread of its own,
+    # which cProfile would not see: DDP's hooks, custom autograd functions)
+    with torch.autograd.set_multithreading_enabled(False):
+        host.enable()
+        step()
+        sync()
+        host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(rows)
+    print(f"--- host (cProfile): {name}\n{text.getvalue()}", file=sys.stderr, flush=True)
+
+
+def union_ms(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) spans given in microseconds, in milliseconds."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total / 1e3
 
 
 def free() -> None:
