@@ -2,9 +2,10 @@
 
 With top-k routing each token is copied to k expert rows (`dispatch`) and the k expert outputs
 are summed back into it (`combine`). megatron's dispatcher does the copy with `index_select`,
-whose backward is an atomic `index_add_`, and the sum with an atomic `scatter_add_`: on the
-GPU these were 10 ms of a 135 ms MoE train step (7.0 + 3.2, `benchmarks/moe_bench.py`,
-BENCHMARKS.md), bf16 atomics that also make the result depend on thread timing. Both
+whose backward is an atomic `index_add_`, and the sum with an atomic `scatter_add_`: bf16
+atomics, 6.8 + 3.1 ms of the 129 ms of kernels in `benchmarks/moe_bench.py`'s train step on an
+H100, where these gathers take 2.1 ms (BENCHMARKS.md); atomics also make the result depend on
+thread timing. Both
 directions here are gathers: a token's k rows are known in advance (`slots`, [T, k]), so the sum
 reads them and adds in fp32, in slot order, and rounds once — deterministic, and at least as
 exact as megatron's bf16 atomics (which round after every add).
