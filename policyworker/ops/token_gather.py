@@ -4,8 +4,8 @@ With top-k routing each token is copied to k expert rows (`dispatch`) and the k 
 are summed back into it (`combine`). megatron's dispatcher does the copy with `index_select`,
 whose backward is an atomic `index_add_`, and the sum with an atomic `scatter_add_`: bf16
 atomics, 6.8 + 3.1 ms of the 129 ms of kernels in `benchmarks/moe_bench.py`'s train step on an
-H100, where these gathers take 2.1 ms (BENCHMARKS.md); atomics also make the result depend on
-thread timing. Both
+H100; here the row copies take 2.1 ms and the sums less (BENCHMARKS.md). Atomics also make the
+result depend on thread timing. Both
 directions here are gathers: a token's k rows are known in advance (`slots`, [T, k]), so the sum
 reads them and adds in fp32, in slot order, and rounds once — deterministic, and at least as
 exact as megatron's bf16 atomics (which round after every add).
