@@ -53,22 +53,13 @@ def test_kernel_norm_picks_megatrons_gradients(tmp_path):
     """The kernel's grad norm reads DDP's buffers itself (`_norm_params`' main_grad): the same
     tensors, in the same order, as megatron's `get_grads_for_grad_norm` after its
     `prepare_grads` (fp32 buffers: the masters' `.grad` are views of them)."""
+    from conftest import make_worker
     from helpers import make_batch
 
-    from policyworker.config import PolicyConfig
     from policyworker.losses import NLLLoss
-    from policyworker.worker import MegatronPolicyWorker
 
     folder = make_hf_model(tmp_path / "m", "qwen2", tie_word_embeddings=True)
-    worker = MegatronPolicyWorker(
-        PolicyConfig(
-            model_name=str(folder),
-            precision="bfloat16",
-            train_global_batch_size=2,
-            train_micro_batch_size=2,
-            max_total_sequence_length=32,
-        )
-    )
+    worker = make_worker(folder, precision="bfloat16", train_global_batch_size=2)
     worker.train(make_batch(batch=2, seq=12), NLLLoss())  # on the CPU: torch's path
     (part,) = worker.state.optimizer.chained_optimizers
     part.prepare_grads()
