@@ -16,6 +16,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from policyworker.checkpoint.checkpointer import Checkpointer, Trainee
+from policyworker.compat import finalize
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.microbatch import MicrobatchPlan, build_plan
@@ -114,6 +115,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
         field = "model_name" if hf_weights == config.model_name else "weights_path"
         check_hf_folder(hf_weights, hf_config, shape, field=field)
     apply_cpu_patches()
+    finalize.install()
     dims, groups = setup_parallel(config.parallel)
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
