@@ -14,6 +14,16 @@ from policyworker.losses import ClippedPGConfig, ClippedPGLoss, NLLLoss
 SPLITTABLE = {name: loss for name, loss in LOSSES.items() if loss.normalizer is not None}
 
 
+def step_grads(ddp) -> list[torch.Tensor]:
+    """The gradients a step would reduce: each `main_grad`, zero where no backward of the open
+    step (or none is open) has reached it yet (FirstTouchDDP leaves an earlier step's values
+    there until the first gradient overwrites them)."""
+    return [
+        torch.zeros_like(p.main_grad) if p in ddp.untouched else p.main_grad.clone()
+        for p in ddp.params_with_grad
+    ]
+
+
 def snapshot(worker) -> dict[str, object]:
     """Everything a step may touch: weights, optimizer state, scheduler, grad buffers, hooks."""
     opt = worker.state.optimizer
@@ -25,7 +35,7 @@ def snapshot(worker) -> dict[str, object]:
             for s in part.optimizer.state.values()
         ],
         "scheduler": worker.state.scheduler.state_dict(),
-        "grads": [b.grad_data.clone() for b in worker.state.ddp.buffers],
+        "grads": step_grads(worker.state.ddp),
         "owner": id(worker),
         "hooks": [
             getattr(worker.state.model.config, k)

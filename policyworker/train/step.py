@@ -38,6 +38,7 @@ from policyworker.losses.common import EPS, Loss, LossInputs, valid_counts
 from policyworker.model.build import set_mode
 from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
+from policyworker.train.grads import FirstTouchDDP
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.overlap import Overlap
 from policyworker.train.schedule import (
@@ -146,7 +147,7 @@ def add_chunk(
 
 def finish_step(
     step: OpenStep,
-    ddp: torch.nn.Module,
+    ddp: FirstTouchDDP,
     optimizer: Any,
     scheduler: Any,
     *,
@@ -164,6 +165,7 @@ def finish_step(
     if spec.eval_mode:
         metrics, per_mb = _step_metrics(step, counts, groups)
         return StepResult(metrics, grad_norm=0.0, skipped=False, lr=lr, per_microbatch=per_mb)
+    ddp.zero_untouched()
     if overlap is not None:
         overlap.dispatch_grad_reduces()
     finalize_model_grads([ddp], num_tokens=None)
