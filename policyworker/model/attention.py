@@ -152,16 +152,23 @@ class SDPACoreAttention(MegatronModule):
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             positions = packed_positions(cu, query.shape[0])[:, None]  # [t, 1]
-            query, key = self.rotary(query, positions), self.rotary(key, positions)
+            query, key = self._rotate(query, key, positions)
             out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
             return out.reshape(out.shape[0], -1)
         positions = torch.arange(query.shape[0], device=query.device)[:, None, None]  # [s, 1, 1]
-        query, key = self.rotary(query, positions), self.rotary(key, positions)
+        query, key = self._rotate(query, key, positions)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         out = causal_sdpa(q, k, v, self.softmax_scale, dropout_p, bucketed=_half_on_gpu(query))
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _rotate(
+        self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of the queries and the keys, their (cos, sin) made once for both."""
+        angles = self.rotary.angles(positions, query.dtype)
+        return self.rotary(query, positions, angles), self.rotary(key, positions, angles)
 
     def _context_parallel(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, split: ContextSplit
@@ -175,8 +182,7 @@ class SDPACoreAttention(MegatronModule):
         micro-batch (`ContextPlan`): no host sync here. On GPU in half precision the blocks are
         one flash varlen call; otherwise one exact masked SDPA per block."""
         plan = split.plan(query.device)
-        positions = plan.positions[:, None]
-        query, key = self.rotary(query, positions), self.rotary(key, positions)
+        query, key = self._rotate(query, key, plan.positions[:, None])
         key, value = split.gather_keys(key), split.gather_keys(value)  # [T, ng, hn]
         if _half_on_gpu(query):
             return _context_blocks_cuda(query, key, value, plan, self.softmax_scale)
