@@ -105,7 +105,7 @@ def open_step(spec: StepSpec) -> OpenStep:
             f"loss_fn: {type(spec.loss_fn).__name__} divides its terms by different counts, so "
             "its gradient cannot be normalized after the fact; use train() for it"
         )
-    return OpenStep(spec=spec)  # the gradients are zero outside a step: nothing to clear
+    return OpenStep(spec=spec)  # the gradients are cleared outside a step: nothing to do
 
 
 def add_chunk(
@@ -185,7 +185,7 @@ def finish_step(
             overlap.after_step()
     else:
         log.warning("non-finite gradient: skipping the optimizer step, weights unchanged")
-    zero_grads(ddp, optimizer)  # outside a step the grad buffers are zero
+    zero_grads(ddp, optimizer)  # outside a step the gradients are cleared
     return StepResult(
         metrics, grad_norm=grad_norm, skipped=not applied, lr=lr, per_microbatch=per_mb
     )
@@ -217,8 +217,9 @@ def check_batch_sizes(*, gbs: int, mbs: int, rows: int, dp: int) -> int:
 
 
 def zero_grads(ddp: torch.nn.Module, optimizer: Any) -> None:
-    """Zero the grad buffers: how a step starts, ends and is aborted (weights, optimizer state
-    and scheduler untouched), so that outside a step the gradients are zero."""
+    """Clear the gradients: how a step starts, ends and is aborted (weights, optimizer state
+    and scheduler untouched), so that outside a step they count as zero (`train.grads`: the
+    buffers keep stale values that the next step's first gradients overwrite)."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
 
