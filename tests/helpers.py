@@ -135,6 +135,23 @@ def clean_env() -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, "OMP_NUM_THREADS": "1"}
 
 
+def in_interpreter(script: str, *args: object) -> list[str]:
+    """Run `tests/<script>` in a process of its own under Triton's interpreter (Triton reads
+    TRITON_INTERPRET when a kernel is defined); its stdout lines. A failed run fails the test
+    with the end of its stderr."""
+    here = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, str(here / script), *map(str, args)],
+        env={**clean_env(), "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=here,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines()
+
+
 def torchrun(script: Path, *args: object, nproc: int = 2, timeout_s: float = 600) -> None:
     """`script` under `torchrun --standalone` on `nproc` CPU ranks (`clean_env`); a failed launch
     fails the test with the end of its stderr."""

@@ -9,32 +9,21 @@ the GPU test (`gpu_tests/test_gpu_adamw.py`) checks bitwise equality."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env, make_hf_model
+from helpers import in_interpreter, make_hf_model
 
 from policyworker.train import optimizer as optimizer_module
 
-HERE = Path(__file__).parent
 LR = 1e-3
 
 
 @pytest.mark.processes
 def test_kernel_equals_torch_adamw_in_the_interpreter(tmp_path):
     folder = make_hf_model(tmp_path / "m", "llama")
-    run = subprocess.run(
-        [sys.executable, str(HERE / "adamw_check.py"), str(folder)],
-        env={**clean_env(), "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    tensors, *workers = (json.loads(line) for line in run.stdout.splitlines()[-3:])
+    lines = in_interpreter("adamw_check.py", folder)
+    tensors, *workers = (json.loads(line) for line in lines[-3:])
     assert tensors["skip_changed_nothing"] and not tensors["aligned"]
     assert tensors["steps"] == tensors["torch_steps"] == [4.0] * 5
     assert tensors["moved"] > 3 * LR  # every tensor took its steps

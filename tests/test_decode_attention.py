@@ -7,30 +7,14 @@ step, against SDPA."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from helpers import clean_env, make_hf_model
-
-HERE = Path(__file__).parent
+from helpers import in_interpreter, make_hf_model
 
 
 @pytest.mark.processes
 def test_kernel_equals_sdpa_in_the_interpreter(tmp_path):
-    # clean_env: an in-process worker of an earlier test left its MASTER_PORT in os.environ
-    env = {**clean_env(), "TRITON_INTERPRET": "1"}
     folder = make_hf_model(tmp_path / "m", "qwen3")
-    run = subprocess.run(
-        [sys.executable, str(HERE / "decode_attention_check.py"), str(folder)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout.splitlines()
+    out = in_interpreter("decode_attention_check.py", folder)
     assert len(out) == 6, out
     *cases, generated = out
     splits = set()

@@ -7,18 +7,14 @@ the Triton kernel in Triton's interpreter against the torch sum (`token_gather_c
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import clean_env
+from helpers import in_interpreter
 from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
 from policyworker.ops.token_gather import combine, dispatch, token_slots
 
-HERE = Path(__file__).parent
 TOKENS, EXPERTS, TOPK, HIDDEN = 37, 8, 3, 16
 
 
@@ -81,16 +77,7 @@ def test_bf16_combine_rounds_once():
 
 @pytest.mark.processes
 def test_kernel_equals_the_torch_sum_in_the_interpreter():
-    run = subprocess.run(
-        [sys.executable, str(HERE / "token_gather_check.py")],
-        env={**clean_env(), "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=HERE,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.splitlines()[-1])
+    result = json.loads(in_interpreter("token_gather_check.py")[-1])
     assert result["shape_ok"] and result["fp32_max_diff"] == 0.0
     # the interpreter rounds fp32 to bf16 by truncation (the GPU test checks bitwise)
     assert result["bf16_ulps"] <= 1.0
