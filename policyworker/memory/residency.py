@@ -7,8 +7,9 @@ which frees its device memory while every tensor viewing it (a parameter, `main_
 stays valid; moving back resizes it and copies the bytes in. Round trips are exact, the tensors
 keep their identity, and nothing else needs rewiring.
 
-Gradients can also be freed (not copied): outside an open train step they are zero by invariant
-(`train.lifecycle`), so freeing them loses nothing and bringing them back is a zero fill.
+Gradients can also be freed (not copied): outside an open train step they count as zero (stale
+values that the next step's first gradients overwrite, `train.grads`), so freeing them loses
+nothing and bringing them back is a zero fill.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ class Where(enum.StrEnum):
     DEVICE = "device"
     HOST = "host"
     FREED = "freed"
-    """Gradients only: released without a copy (they are zero outside a step)."""
+    """Gradients only: released without a copy (outside a step they count as zero: stale
+    values a step's first gradients overwrite, `train.grads`); they return zero-filled."""
 
     @classmethod
     def of_device(cls, device: str) -> Where:
@@ -140,7 +142,7 @@ class Residency:
 
     def _leave(self, g: _Group, target: Where) -> None:
         if g.where is not Where.DEVICE:
-            if target is Where.FREED:  # host copy of zeros, or already freed: nothing to keep
+            if target is Where.FREED:  # host copy of idle gradients, or already freed
                 g.where = Where.FREED
             return
         if target is Where.HOST:
