@@ -188,3 +188,31 @@ def test_decode_kernel_large_cache():
     last = slice(b - 2, b)
     want = _sdpa_decode(q[last], k[last], v[last], pos[last])
     assert (out[last].float() - want).abs().max() <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_equal_decode_steps_bitwise(dtype):
+    """`attention_rows` on the GPU: each row equals a one-split decode step at its position over
+    the same keys bit for bit (the tiles' MMAs give a row the same bits whatever rows share its
+    tile), and it equals causal SDPA to rounding."""
+    import torch.nn.functional as F
+
+    from policyworker.ops.decode_attention import attention_rows, decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, heads, groups, dim, seq = 3, 32, 8, 64, 700
+    q, k, v = (
+        torch.randn(b, h, seq, dim, generator=g, device="cuda", dtype=dtype)
+        for h in (heads, groups, groups)
+    )
+    rows = attention_rows(q, k, v, dim**-0.5)
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), is_causal=True, scale=dim**-0.5, enable_gqa=True
+    )
+    assert (rows.float() - ref).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
+    differing = 0
+    for t in range(seq):
+        at = torch.full((b,), t, device="cuda")
+        step = decode_attention(q[:, :, t].contiguous(), k, v, at, dim**-0.5, one_split=True)
+        differing += int((step != rows[:, :, t]).sum())
+    assert differing == 0

@@ -7,6 +7,8 @@ step, against SDPA."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import in_interpreter, make_hf_model
 
@@ -27,3 +29,14 @@ def test_kernel_equals_sdpa_in_the_interpreter(tmp_path):
     # the worker's decode steps through the kernel: the same tokens, logprobs to fp32 rounding
     fields = dict(f.split("=") for f in generated.split()[1:])
     assert fields["same_tokens"] == "True" and float(fields["err"]) <= 1e-5, generated
+
+
+@pytest.mark.processes
+def test_prefill_rows_equal_decode_steps_bitwise_in_the_interpreter():
+    """`attention_rows` (a prefill computed the way a decode step computes one position) equals
+    causal SDPA, and each of its rows equals a one-split decode step at that position over the
+    same keys, bit for bit: what a generation whose logprobs reproduce scoring's needs."""
+    result = json.loads(in_interpreter("attention_rows_check.py")[-1])
+    for case, got in result.items():
+        assert got["decode_elements_differing"] == 0, case
+        assert got["err"] <= (1e-5 if case.startswith("float32") else 2e-3), (case, got)
