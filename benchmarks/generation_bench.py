@@ -6,20 +6,22 @@ would stop at random), sampling at temperature 1:
 
 * ours:       `MegatronPolicyWorker.generate` (our decode loop, KV cache in the core attention);
 * ours_triton: the same with `generation.decode_attention: triton` (our decode kernel);
+* ours_invariant: the same with `batch_invariant: true` (generation logprobs bitwise scoring's);
 * engine:     our transformers engine (`generation.engine.HFEngine.draw`, what
               `GenerationProcess` runs: transformers' `generate` with its dynamic cache);
 * hf_static:  transformers' `generate` with `cache_implementation="static"`.
 
 For ours it also scores the generated rows with `get_logprobs` and reports the
 `token_mult_prob_error` of the generation logprobs (mean over response tokens of
-exp|generation − get_logprobs|, and its largest per-token value); `--mismatch-sources` also
+exp|generation − get_logprobs|, and its largest per-token value) and the scoring's time; `--mismatch-sources` also
 scores the same rows with fp32 `get_logprobs` (each bf16 side against it, and bf16
 `get_logprobs` at two micro-batch sizes) and checks which of the model's GEMMs give the same
 bits for a few rows as inside a large product. Prints one JSON line with tokens/s per engine and
 batch size and the ratios. CPU: a smoke run with `--smoke`.
 
     python benchmarks/generation_bench.py [--batches 64,256] [--prompt 512] [--new 1024]
-        [--engines ours,ours_triton,engine,hf_static] [--profile] [--mismatch-sources]
+        [--engines ours,ours_triton,ours_invariant,engine,hf_static] [--profile]
+        [--mismatch-sources]
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ def seconds(run: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def our_worker(folder: Path, precision: str, rows: int, width: int, kernel: str = "sdpa"):
+def our_worker(
+    folder: Path,
+    precision: str,
+    rows: int,
+    width: int,
+    kernel: str = "sdpa",
+    invariant: bool = False,
+):
     from policyworker.config import PolicyConfig
     from policyworker.worker import MegatronPolicyWorker
 
@@ -54,6 +63,7 @@ def our_worker(folder: Path, precision: str, rows: int, width: int, kernel: str 
         precision=precision,
         logprob_batch_size=min(rows, 16),
         max_total_sequence_length=width,
+        batch_invariant=invariant,
         generation={"max_new_tokens": 1, "stop_token_ids": [], "decode_attention": kernel},
     )
     return MegatronPolicyWorker(cfg, init_optimizer=False, init_reference_model=False)
@@ -115,11 +125,12 @@ def bench_ours(
     kernel: str = "sdpa",
     prof: bool = False,
     sources: bool = False,
+    invariant: bool = False,
 ) -> dict[str, float]:
     from policyworker.data.batched_data_dict import BatchedDataDict
 
     b, p = prompts.shape
-    worker = our_worker(folder, precision, b, p + new, kernel)
+    worker = our_worker(folder, precision, b, p + new, kernel, invariant)
     cfg = worker.cfg
     data = BatchedDataDict({"input_ids": prompts, "input_lengths": torch.full((b,), p)})
     cfg.generation.max_new_tokens = 8  # a short warm-up call
@@ -138,7 +149,8 @@ def bench_ours(
     seqs = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
     seqs = BatchedDataDict(seqs)
     gen = out["logprobs"][:, p:]
-    scored = worker.get_logprobs(data=seqs)["logprobs"][:, p:]
+    worker.get_logprobs(data=seqs)  # compiles and plans for these shapes
+    score_s, scored = seconds(lambda: worker.get_logprobs(data=seqs)["logprobs"][:, p:])
     error = (gen - scored).abs().exp()
     row = {
         "s": took,
@@ -147,6 +159,7 @@ def bench_ours(
         "kv_cache_residue_bytes": after - before if DEVICE == "cuda" else 0,
         "token_mult_prob_error": float(error.mean()),
         "token_mult_prob_error_max": float(error.max()),
+        "get_logprobs_s": score_s,
     }
     if sources:
         row |= mismatch_sources(worker, folder, seqs, gen, scored, p)
@@ -206,7 +219,7 @@ def main() -> None:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=1024)
-    parser.add_argument("--engines", default="ours,ours_triton,engine,hf_static")
+    parser.add_argument("--engines", default="ours,ours_triton,ours_invariant,engine,hf_static")
     parser.add_argument("--smoke", action="store_true", help="a tiny fp32 run (CPU)")
     parser.add_argument("--profile", action="store_true", help="op tables of ours (stderr)")
     parser.add_argument(
@@ -227,6 +240,9 @@ def main() -> None:
         "ours": functools.partial(bench_ours, prof=args.profile, sources=args.mismatch_sources),
         "ours_triton": functools.partial(
             bench_ours, kernel="triton", prof=args.profile, sources=args.mismatch_sources
+        ),
+        "ours_invariant": functools.partial(
+            bench_ours, kernel="triton", invariant=True, prof=args.profile
         ),
         "engine": bench_engine,
         "hf_static": bench_hf_static,

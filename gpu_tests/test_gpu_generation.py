@@ -31,10 +31,12 @@ def folder(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("gpu_gen"), "llama", **MEDIUM)
 
 
-def _worker(folder, precision, graphs=True, kernel="sdpa"):
+def _worker(folder, precision, graphs=True, kernel="sdpa", invariant=False, packed=False):
     cfg = PolicyConfig(
         model_name=str(folder),
         precision=precision,
+        batch_invariant=invariant,
+        sequence_packing={"enabled": packed},
         logprob_batch_size=8,
         max_total_sequence_length=128,
         generation={
@@ -84,6 +86,19 @@ def test_generation_logprobs_match_get_logprobs(folder, precision, kernel):
         assert errors.mean() <= 1.01
     else:
         assert (errors.log()).max() <= 1e-4
+
+
+@pytest.mark.parametrize("graphs,packed", [(True, False), (False, True)])
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_batch_invariant_generation_logprobs_are_get_logprobs_bitwise(
+    folder, precision, graphs, packed
+):
+    worker = _worker(folder, precision, graphs=graphs, invariant=True, packed=packed)
+    data = _prompts(worker.shape.vocab_size)
+    out = worker.generate(data=data, seed=0)
+    errors = _errors(worker, data, out)
+    print(f"{precision} invariant: {(errors != 1).sum()} of {errors.numel()} differ")
+    assert errors.numel() > 100 and (errors == 1).all()
 
 
 def test_greedy_equals_transformers_in_fp32(folder):

@@ -31,7 +31,7 @@ from policyworker.model.hf_config import (
     load_hf_config,
     model_shape,
 )
-from policyworker.model.kv_cache import DECODE
+from policyworker.model.kv_cache import DECODE, invariant_decode
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.replay import Replay
 from policyworker.model.routing import RouteCounts
@@ -148,6 +148,7 @@ def build_state(
         moe=config.moe,
         recompute=config.recompute,
         mlp_chunk_tokens=config.logprob_chunk_size,
+        batch_invariant=config.batch_invariant,
     )
     if hf_weights is not None:
         load_hf_weights(
@@ -285,7 +286,7 @@ def build_sampler(
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     if tokenizer is not None:
         eos_ids |= {tokenizer.eos_token_id} - {None}
-    d = w.dims
+    d, gen = w.dims, w.cfg.generation
     whole = d.tp == d.pp == d.cp == 1 and routers is None  # one GPU runs the whole model
     routes = None
     if routers is not None:
@@ -300,8 +301,9 @@ def build_sampler(
         pad_id=pad_token(w.hf_config, tokenizer),
         routes=routes,
         local=whole,
-        graphs=w.cfg.generation.cuda_graphs and w.device.type == "cuda" and whole,
-        decode=DECODE[w.cfg.generation.decode_attention],
+        graphs=gen.cuda_graphs and w.device.type == "cuda" and whole,
+        decode=invariant_decode if w.cfg.batch_invariant else DECODE[gen.decode_attention],
+        invariant=w.cfg.batch_invariant,
     )
     return Sampler(
         decoder,

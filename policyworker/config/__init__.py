@@ -80,6 +80,15 @@ class PolicyConfig:
     in get_logprobs / get_topk_logits. Costs one more output-layer matmul per chunk (the
     backward recomputes its logits); the numbers equal unchunked ones. In forwards without
     gradient the dense MLPs also run this many tokens at a time (`model/chunked_mlp.py`)."""
+    batch_invariant: bool = False
+    """Inference forwards whose numbers a decode step reproduces bit for bit, so that a token's
+    logprob from `generate` equals its `get_logprobs` score (no train/inference mismatch):
+    attention without gradient (scoring, top-k, the prefill) runs row by row the way a decode
+    step does (`ops.decode_attention.attention_rows`), a decode step keeps each row's keys in one
+    program, and its matmuls run on at least 256 rows (`model/batch_invariant.py`). A GPU
+    setting (Triton kernels); the CPU's fp32 numbers match already. Costs: scoring's attention is
+    slower than cuDNN's, and a training forward (cuDNN's attention, for its backward) differs
+    from `get_logprobs` by bf16 rounding. Not with context parallelism."""
     temperature: float = 1.0
     """Generation temperature: logits are divided by it before logprobs, top-k and the loss."""
     max_grad_norm: float = 1.0
@@ -142,6 +151,8 @@ class PolicyConfig:
         n = self.logprob_chunk_size
         ok = n is None or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)
         _check(ok, "logprob_chunk_size", "null or an int >= 1 (tokens)", n)
+        _check(isinstance(self.batch_invariant, bool), "batch_invariant", "true or false",
+               self.batch_invariant)  # fmt: skip
         t, g = self.temperature, self.max_grad_norm
         _check(finite(t) and t > 0, "temperature", "a finite number > 0", t)
         _check(finite(g) and g >= 0, "max_grad_norm", "a finite number >= 0", g)
@@ -165,6 +176,12 @@ class PolicyConfig:
             not (self.sequence_packing.enabled and self.dynamic_batching.enabled),
             "dynamic_batching.enabled",
             "false when sequence_packing.enabled (choose one)",
+            True,
+        )
+        _check(
+            not (self.batch_invariant and self.parallel.context_parallel_size > 1),
+            "batch_invariant",
+            "false with parallel.context_parallel_size > 1 (no row-wise context-parallel kernel)",
             True,
         )
 

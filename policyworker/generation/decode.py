@@ -28,6 +28,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import ROUTES, validate_batch
 from policyworker.generation.graphs import GraphedStep
+from policyworker.model.batch_invariant import min_rows, pad_rows
 from policyworker.model.build import output_head, set_mode
 from policyworker.model.kv_cache import DecodeAttention, KVCache, Step, attached, sdpa_decode
 from policyworker.model.replay import Replay
@@ -80,6 +81,9 @@ class Decoder:
     """Decode steps as CUDA graph replays (`generation.graphs`): a `local` model on a GPU."""
     decode: DecodeAttention = sdpa_decode
     """A decode step's attention over the cache (`generation.decode_attention`)."""
+    invariant: bool = False
+    """`batch_invariant`: the prefill's attention is `attention_rows`, and every matmul of a
+    step runs on at least `MIN_ROWS` rows (`decode` should be `invariant_decode`)."""
 
     def check(self, data: BatchedDataDict, stops: Stops) -> None:
         """A generation batch: right-padded prompts with room for a new token; stop strings
@@ -116,9 +120,15 @@ class Decoder:
         capacity = int((lengths + limits).max())
         run = _Run(self, ids, lengths, limits, how, stops, seed)
         set_mode(self.model, training=False)
-        cache = KVCache(capacity, self.decode)
+        cache = KVCache(capacity, self.decode, rows=self.invariant)
+        padded = min_rows(self.model) if self.invariant else contextlib.nullcontext()
         try:
-            with torch.no_grad(), _no_sequence_parallel(self.model), attached(self.model, cache):
+            with (
+                torch.no_grad(),
+                _no_sequence_parallel(self.model),
+                attached(self.model, cache),
+                padded,
+            ):
                 run.loop(cache)
         finally:
             if self.routes is not None:
@@ -168,8 +178,11 @@ class Decoder:
 
     def _logits(self, head: Head, pick: torch.Tensor) -> torch.Tensor:
         """The picked rows' logits [B, V] (fp32), gathered over TP, without the padding."""
-        hidden = head.hidden[torch.arange(head.hidden.shape[0], device=pick.device), pick]
-        return full_logits(Head(hidden[:, None], head.weight), self.logits)[:, 0].float()
+        rows = head.hidden.shape[0]
+        hidden = head.hidden[torch.arange(rows, device=pick.device), pick]
+        if self.invariant:
+            hidden = pad_rows(hidden)
+        return full_logits(Head(hidden[:, None], head.weight), self.logits)[:rows, 0].float()
 
 
 class _Run:

@@ -27,6 +27,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from policyworker.ops.decode_attention import attention_rows, triton_runs
 from policyworker.ops.packed import packed_positions
 from policyworker.ops.rope import rope
 from policyworker.parallel.context import ContextPlan, ContextSplit
@@ -111,6 +112,9 @@ class SDPACoreAttention(MegatronModule):
             config.attention_dropout if attention_dropout is None else attention_dropout
         )
         self.rotary = Rotary()
+        self.rows = False
+        """`batch_invariant`: without gradient, attention is `attention_rows` where Triton runs
+        (a decode step's arithmetic, row by row), else SDPA / flash."""
         self.kv_cache: LayerCache | None = None
         """Set while the worker generates (`model.kv_cache.attached`): padded rows only."""
 
@@ -143,15 +147,25 @@ class SDPACoreAttention(MegatronModule):
                 cu = packed_seq_params.cu_seqlens_q
             positions = packed_positions(cu, query.shape[0])[:, None]  # [t, 1]
             query, key = self._rotate(query, key, positions)
-            out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
+            if self._by_rows(query):
+                out = _rows_thd(query, key, value, cu, self.softmax_scale)
+            else:
+                out = self._thd(query, key, value, packed_seq_params)  # [t, np, hn]
             return out.reshape(out.shape[0], -1)
         positions = torch.arange(query.shape[0], device=query.device)[:, None, None]  # [s, 1, 1]
         query, key = self._rotate(query, key, positions)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        out = causal_sdpa(q, k, v, self.softmax_scale, dropout_p, bucketed=_half_on_gpu(query))
+        if self._by_rows(query):
+            out = attention_rows(q, k, v, self.softmax_scale)
+        else:
+            bucketed = _half_on_gpu(query)
+            out = causal_sdpa(q, k, v, self.softmax_scale, dropout_p, bucketed=bucketed)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def _by_rows(self, x: torch.Tensor) -> bool:
+        return self.rows and not torch.is_grad_enabled() and triton_runs(x)
 
     def _rotate(
         self, query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
@@ -197,6 +211,19 @@ class SDPACoreAttention(MegatronModule):
                 return _one_sequence(query, key, value, self.softmax_scale)
             return _varlen_cuda(query, key, value, cu_q, cu_k, params, self.softmax_scale)
         return _varlen_reference(query, key, value, cu_q, self.softmax_scale)
+
+
+def _rows_thd(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`attention_rows` within each packed sequence ([t, h, d] in and out), one launch per
+    sequence: a sequence's key blocks start at its first token, as a decode step's do."""
+    out = torch.zeros_like(query)
+    for a, b in itertools.pairwise(cu.tolist()):
+        if b > a:
+            q, k, v = (x[a:b].transpose(0, 1)[None] for x in (query, key, value))
+            out[a:b] = attention_rows(q, k, v, scale)[0].transpose(0, 1)
+    return out
 
 
 SDPA_BUCKET = 1024

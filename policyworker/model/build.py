@@ -206,10 +206,12 @@ def build_gpt_model(
     moe: MoEConfig | None = None,
     recompute: RecomputeConfig | None = None,
     mlp_chunk_tokens: int | None = None,
+    batch_invariant: bool = False,
 ) -> GPTModel:
     """A GPTModel with this rank's shard of `shape`, on the current device, weights unset; with
     `moe.freeze_moe_router` its routers take no gradient; its dense MLPs run `mlp_chunk_tokens`
-    tokens at a time in forwards without gradient (`ChunkedMLP`)."""
+    tokens at a time in forwards without gradient (`ChunkedMLP`); with `batch_invariant` its
+    attention without gradient runs row by row (`SDPACoreAttention.rows`)."""
     on_gpu = torch.cuda.is_available()
     moe = moe or MoEConfig()
     config = transformer_config(
@@ -245,6 +247,7 @@ def build_gpt_model(
     for module in model.modules():
         if isinstance(module, SDPACoreAttention):
             module.set_rope(inv_freq)
+            module.rows = batch_invariant
     set_chunk(model, mlp_chunk_tokens)
     for name, param in model.named_parameters():  # before DDP and the optimizer see them
         if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):

@@ -16,7 +16,6 @@ Slots are zeros until written, so a masked slot never brings NaN into the attent
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from policyworker.model.attention import SDPACoreAttention
+from policyworker.ops.decode_attention import attention_rows, decode_attention, triton_runs
 
 # Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
 # decode step has a new key length, every prefill a new prompt width. SDPA's decode
@@ -70,10 +70,12 @@ class KVCache:
     of `KEY_BLOCK`), for every attention layer of this rank; layer tensors are made at their
     first write."""
 
-    def __init__(self, capacity: int, decode: DecodeAttention) -> None:
+    def __init__(self, capacity: int, decode: DecodeAttention, *, rows: bool = False) -> None:
         self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         self.decode = decode
         """A decode step's attention (`DECODE`)."""
+        self.rows = rows
+        """The prefill's attention is `attention_rows` where Triton runs (`batch_invariant`)."""
         self.step: Step | None = None
         self.layers: list[LayerCache] = []
         self.where: _Where | None = None
@@ -127,7 +129,9 @@ class LayerCache:
         n = step.keys_used
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
         q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]
-        if step.prefill:  # every row from 0: plainly causal
+        if step.prefill and self.owner.rows and triton_runs(q):
+            out = attention_rows(q, k, v, scale)
+        elif step.prefill:  # every row from 0: plainly causal
             with sdpa_kernel(_PREFILL, set_priority=True):
                 gqa = q.shape[1] != k.shape[1]
                 out = F.scaled_dot_product_attention(
@@ -153,19 +157,26 @@ def triton_decode(
     """`sdpa_decode` through `ops.decode_attention`'s kernel when a step feeds one token per
     row and Triton can run it — on a GPU, or on the CPU in Triton's interpreter (the tests);
     else SDPA. The kernel reads each row's written keys only."""
-    runs = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    if not runs or q.shape[2] != 1:
+    if not triton_runs(q) or q.shape[2] != 1:
         return sdpa_decode(q, k, v, positions, scale)
-    from policyworker.ops.decode_attention import decode_attention  # Triton: GPU only
-
     return decode_attention(q[:, :, 0], k, v, positions[0], scale)[:, :, None]
+
+
+def invariant_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`triton_decode` with each row's keys in one program, in order: bitwise what
+    `attention_rows` (the prefill and scoring under `batch_invariant`) gives at that position."""
+    if not triton_runs(q) or q.shape[2] != 1:
+        return sdpa_decode(q, k, v, positions, scale)
+    return decode_attention(q[:, :, 0], k, v, positions[0], scale, one_split=True)[:, :, None]
 
 
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
 DECODE: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "triton": triton_decode}
-"""`generation.decode_attention`'s choices."""
+"""`generation.decode_attention`'s choices (`invariant_decode` under `batch_invariant`)."""
 
 
 def _masked_grouped(

@@ -18,13 +18,14 @@ product with the values, as flash attention does.
 computes one position: the same loop over the same key blocks (`_attend`) on the same tiles. So
 its row t is bitwise a one-split decode step at position t over the same keys — the attention
 half of a generation whose logprobs equal scoring's exactly (the rest: row-wise norms and
-elementwise ops, and GEMMs whose bits do not depend on their row count). Not wired into the
-model yet.
+elementwise ops, and GEMMs whose bits do not depend on their row count): the model's attention
+without gradient under `batch_invariant` (`model/attention.py`, `model/kv_cache.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -159,6 +160,12 @@ def _prefill_kernel(
     out = ((big * HEADS + head) * seq + rows).to(tl.int64)  # [b, heads, seq]
     tl.store(o_ptr + out[:, None] * DIM + dims[None, :], acc, mask=keep[:, None] & in_dim)
     tl.store(l_ptr + out, l_i, mask=keep)
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    """Whether these kernels can run on x: on a GPU, or on the CPU in Triton's interpreter
+    (`TRITON_INTERPRET=1`, the tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache

@@ -5,9 +5,10 @@ smallest set whose probability reaches `top_p` (renormalized), then one multinom
 row from a seeded generator (`greedy`: the most likely token, no draw).
 
 The reported logprob is the token's log-softmax of logits / temperature over the whole
-vocabulary — what `get_logprobs` and every loss compute — not of the filtered distribution it
-was drawn from: the generation logprobs of a response equal its `get_logprobs`, and with
-top-k/top-p they are lower than the drawing distribution's by the log of the mass kept.
+vocabulary — what `get_logprobs` and every loss compute, with the same function
+(`ops.logprobs.logprobs_at`, so the same roundings) — not of the filtered distribution it was
+drawn from: the generation logprobs of a response equal its `get_logprobs`, and with top-k/top-p
+they are lower than the drawing distribution's by the log of the mass kept.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from policyworker.ops.logprobs import Head, LogitOptions, logprobs_at
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,13 +54,14 @@ def next_tokens(
     scaled = logits.float()
     if how.temperature != 1.0:  # x / 1.0 is x: a pass over [B, V] saved per step
         scaled = scaled / how.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
     if how.greedy:
         tokens = scaled.argmax(dim=-1)
     else:
         probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    opts = LogitOptions(temperature=how.temperature, tp_group=None)
+    logp, _ = logprobs_at(Head.of_logits(logits[:, None]), tokens[:, None, None], opts)
+    return tokens, logp[:, 0, 0]
 
 
 def pad_token(hf_config: Any, tokenizer: Any | None) -> int:
