@@ -253,7 +253,7 @@ def test_compiled_loss_ops_match_eager():
 
 
 def test_fused_rope_equals_eager_and_makes_no_temporaries():
-    """RoPE on the GPU (one compiled pass) equals the eager CPU arithmetic in fp32, and in
+    """RoPE on the GPU (one Triton pass, `ops.rope`) equals the eager CPU arithmetic in fp32, and in
     bf16 within one rounding, gradients too; its forward allocates its output and nothing
     else of the queries' size (eager: three temporaries more)."""
     from policyworker.model.attention import Rotary, rope

@@ -27,22 +27,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from policyworker.ops.compiled import cuda_compiled
 from policyworker.ops.packed import packed_positions
+from policyworker.ops.rope import rope
 from policyworker.parallel.context import ContextPlan, ContextSplit
 
 if TYPE_CHECKING:
     from policyworker.model.kv_cache import LayerCache
-
-
-@cuda_compiled
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin. On GPU one fused pass each way; eager, its three
-    temporaries of x's size are the peak of a long sequence's scoring (1.5 GiB for the queries
-    of 128k tokens of a 2048-wide model) and a dozen memory-bound passes per layer."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 IN_PLACE_ROWS = 4096

@@ -2,9 +2,8 @@
 
 megatron's local spec wraps `torch.nn.RMSNorm`, which rejects sequence parallelism and rounds
 differently from transformers in bf16. This one computes in fp32 and casts back before the weight,
-exactly as `LlamaRMSNorm` does, and tags its weight for megatron's sequence-parallel grad reduce.
-On GPU the same arithmetic runs as one fused kernel (torch.compile): unfused, the fp32 temporaries
-of ~2 norms per layer cost about a tenth of a training step.
+exactly as `LlamaRMSNorm` does (`ops.rms_norm`: torch on the CPU, one Triton kernel each way on
+the GPU), and tags its weight for megatron's sequence-parallel grad reduce.
 """
 
 from __future__ import annotations
@@ -12,15 +11,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from policyworker.ops.compiled import cuda_compiled
-
-
-@cuda_compiled
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * (x / sqrt(mean(x^2) + eps))` in fp32, cast back to x's dtype before the weight."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+from policyworker.ops.rms_norm import rms_norm
 
 
 class RMSNorm(torch.nn.Module):

@@ -1,0 +1,52 @@
+"""Runs `ops.rope`'s Triton kernel in Triton's interpreter (on the CPU, numpy) against the torch
+ops (`reference`), forward and backward, on the layouts attention gives it; one JSON line. Run by
+`test_rope.py` with TRITON_INTERPRET=1 (read when the kernel is defined: a process of its own)."""
+
+from __future__ import annotations
+
+import json
+
+import interpreter  # noqa: F401  (first: Triton in its interpreter)
+import torch
+
+from policyworker.ops import rope
+
+
+def _angles(shape: tuple[int, ...], d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.rand(*shape, d // 2) * 10
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _compare(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, float]:
+    grad = torch.randn(x.shape, dtype=x.dtype)
+    results = []
+    for fn in (rope._Rope.apply, rope.reference):
+        xs = x.detach().requires_grad_()
+        y = fn(xs, cos, sin)
+        y.backward(grad)
+        results.append((y.detach().float(), xs.grad.float(), y.dtype, y.shape))
+    (y, dx, dt, shape), (ry, rdx, rdt, rshape) = results
+    rel = lambda a, b: float((a - b).abs().max() / b.abs().max())  # noqa: E731
+    return {"y": rel(y, ry), "dx": rel(dx, rdx), "same_kind": float(dt == rdt and shape == rshape)}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    out: dict[str, object] = {}
+    c, s = _angles((37, 1), 16)  # packed: [t, h, d], angles [t, 1, d]
+    out["fp32_packed"] = _compare(torch.randn(37, 3, 16), c, s)
+    c, s = _angles((9, 1, 1), 16)  # padded: [s, b, h, d], angles [s, 1, 1, d]
+    out["fp32_padded"] = _compare(torch.randn(9, 2, 3, 16), c, s)
+    c, s = _angles((5, 4, 1), 16)  # decoding: one angle per row, [s, b, 1, d]
+    out["fp32_decode"] = _compare(torch.randn(5, 4, 3, 16), c, s)
+    c, s = _angles((6, 1, 1), 16)  # the key heads of a fused QKV output: a strided view
+    qkv = torch.randn(6, 2, 2, 5 * 16)
+    out["fp32_view"] = _compare(qkv[..., 3 * 16 : 4 * 16].unflatten(-1, (1, 16)).squeeze(-2), c, s)
+    c, s = _angles((33, 1), 64)
+    out["bf16"] = _compare(torch.randn(33, 4, 64).bfloat16(), c.bfloat16(), s.bfloat16())
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
