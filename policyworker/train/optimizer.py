@@ -56,7 +56,7 @@ def wrap_ddp(model: MegatronModule, cfg: OptimizerConfig) -> FirstTouchDDP:
     )
     ddp = FirstTouchDDP(config=model.config, ddp_config=ddp_config, module=model)
     # The schedule never reduces gradients: a step may span several schedule calls
-    # (split-step training), and `train.lifecycle.finish_step` finalizes once, itself.
+    # (split-step training), and `train.step.finish_step` finalizes once, itself.
     model.config.finalize_model_grads_func = None
     model.config.no_sync_func = ddp.no_sync
     model.config.grad_sync_func = None
@@ -190,7 +190,7 @@ def optimizer_step(
     after it has queued its other work — the host goes on while the device steps.
 
     The gradients in the buffers are `grad_divisor` times the true ones (a step normalized after
-    the fact, `train.lifecycle`): the division is folded into the same `grad_scale` as the clip,
+    the fact, `train.step`): the division is folded into the same `grad_scale` as the clip,
     so it costs no pass over the gradients.
 
     The phases of megatron's own `step()`, on its optimizer, with torch's multi-tensor ops: without

@@ -3,7 +3,7 @@
 `run_microbatches` is where training and every collection (`get_logprobs`, top-k) call
 `get_forward_backward_func()`, so pipeline parallelism slots in without a second code path
 (generation's decode steps call it themselves: one micro-batch of one token per row,
-`generation.decode`). `train.lifecycle` builds an optimizer step on it.
+`generation.decode`). `train.step` builds an optimizer step on it.
 """
 
 from __future__ import annotations
