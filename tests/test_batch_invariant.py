@@ -12,6 +12,7 @@ import torch
 from helpers import in_interpreter, make_hf_model
 
 from policyworker.config import PolicyConfig
+from policyworker.demo.config import DemoConfig, policy_config
 from policyworker.model.batch_invariant import MIN_ROWS, pad_rows
 
 
@@ -43,3 +44,10 @@ def test_batch_invariant_refuses_context_parallelism() -> None:
         PolicyConfig(model_name="m", batch_invariant=True, parallel={"context_parallel_size": 2})
     with pytest.raises(ValueError, match="batch_invariant"):
         PolicyConfig(model_name="m", batch_invariant="yes")  # type: ignore[arg-type]
+
+
+def test_the_demo_samples_batch_invariant_in_the_workers(tmp_path: Path) -> None:
+    assert policy_config(DemoConfig(engine="megatron"), tmp_path).batch_invariant
+    assert not policy_config(DemoConfig(), tmp_path).batch_invariant
+    own = DemoConfig(engine="megatron", worker={"batch_invariant": False})
+    assert not policy_config(own, tmp_path).batch_invariant

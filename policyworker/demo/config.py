@@ -224,6 +224,8 @@ def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
         "temperature": cfg.temperature,
         "seed": cfg.seed,
     }
+    if cfg.engine == "megatron" and "batch_invariant" not in cfg.worker:
+        ours["batch_invariant"] = True  # the workers' generation logprobs are their scores
     ours["generation"] = {**cfg.worker.get("generation", {}), "max_new_tokens": cfg.max_new_tokens}
     optimizer = {"weight_decay": 0.0, "betas": [0.9, 0.99], **cfg.worker.get("optimizer", {})}
     ours["optimizer"] = {**optimizer, "lr": cfg.sft_lr}
