@@ -88,7 +88,8 @@ class PolicyConfig:
     program, and its matmuls run on at least 256 rows (`model/batch_invariant.py`). A GPU
     setting (Triton kernels); the CPU's fp32 numbers match already. Costs: scoring's attention is
     slower than cuDNN's, and a training forward (cuDNN's attention, for its backward) differs
-    from `get_logprobs` by bf16 rounding. Not with context parallelism."""
+    from `get_logprobs` by bf16 rounding. Dense models (an MoE layer's experts multiply as many
+    rows as were routed to them). Not with context parallelism."""
     temperature: float = 1.0
     """Generation temperature: logits are divided by it before logprobs, top-k and the loss."""
     max_grad_norm: float = 1.0
