@@ -1,8 +1,9 @@
-"""Runs `ops.decode_attention`'s prefill kernel (`attention_rows`) in Triton's interpreter: against
-SDPA's causal attention, and row by row against a decode step (`decode_attention(one_split=
-True)`) at each position over the same keys, which it must equal bitwise; one JSON line. Run by
-`test_decode_attention.py` with TRITON_INTERPRET=1. fp32 and fp16 (the interpreter computes bf16
-dot products wrongly; bf16 is the GPU test's)."""
+"""Runs `ops.decode_attention`'s prefill kernel (`attention_rows`) in Triton's interpreter:
+against SDPA's causal attention, and row by row against a decode step (`decode_attention(
+one_split=True)`) over the same keys, which it must equal bitwise, at every 5th position and
+on each side of the key blocks' edges; one JSON line. Run by `test_decode_attention.py` with
+TRITON_INTERPRET=1. fp32 and fp16 (the interpreter computes bf16 dot products wrongly; bf16 is
+the GPU test's)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def main() -> None:
             q.double(), k.double(), v.double(), is_causal=True, scale=scale, enable_gqa=True
         )
         differing = 0
-        for t in range(seq):
+        # every 5th position, and each side of the key blocks' edges (64 fp32, 128 fp16 keys)
+        edges = {63, 64, 65, 127, 128, 129, seq - 1}
+        for t in sorted(set(range(0, seq, 5)) | {t for t in edges if t < seq}):
             at = torch.full((b,), t)
             step = decode_attention(q[:, :, t].contiguous(), k, v, at, scale, one_split=True)
             differing += int((step != rows[:, :, t]).sum())

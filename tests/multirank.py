@@ -7,7 +7,7 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
         (with distopt); ep: EP2, etp: expert TP = TP, allgather: that
         token dispatcher; recompute / selrecompute: full / selective activation recompute;
         chunk: logits in chunks of CHUNK tokens; replay: router replay of the routes chosen on
-        the first call; seqaux: a per-sequence load-balancing loss)
+        the first call; seqaux: a per-sequence load-balancing loss; invariant: batch_invariant)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, a step of each other loss
@@ -185,6 +185,7 @@ def config(
     chunk: int | None = None,
     replay: bool = False,
     seq_aux: bool = False,
+    invariant: bool = False,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -197,6 +198,7 @@ def config(
         logprob_batch_size=2,
         max_total_sequence_length=32,
         logprob_chunk_size=chunk,
+        batch_invariant=invariant,
         optimizer=OptimizerConfig(
             lr=1e-3,
             use_distributed_optimizer=distopt,
@@ -259,6 +261,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             chunk=CHUNK if "chunk" in flags else None,
             replay="replay" in flags,
             seq_aux="seqaux" in flags,
+            invariant="invariant" in flags,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

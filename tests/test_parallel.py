@@ -32,6 +32,8 @@ LAYOUTS = {
     # split-step training: each rank streams its share in two chunks
     "dp2-split-step-packed-overlapped": (1, 1, ("split", "pack", "distopt", "overlap")),
     "pp2-split-step-chunked": (1, 2, ("split", "chunk")),
+    # batch_invariant: a decode step's linear layers padded to 256 rows under TP (SP switched off)
+    "tp2-sequence-parallel-batch-invariant": (2, 1, ("sp", "invariant")),
 }
 
 
