@@ -31,7 +31,7 @@ from policyworker.model.hf_config import (
     load_hf_config,
     model_shape,
 )
-from policyworker.model.kv_cache import DECODE, invariant_decode
+from policyworker.model.kv_cache import DECODE
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.replay import Replay
 from policyworker.model.routing import RouteCounts
@@ -302,7 +302,7 @@ def build_sampler(
         routes=routes,
         local=whole,
         graphs=gen.cuda_graphs and w.device.type == "cuda" and whole,
-        decode=invariant_decode if w.cfg.batch_invariant else DECODE[gen.decode_attention],
+        decode=DECODE[gen.decode_attention],
         invariant=w.cfg.batch_invariant,
     )
     return Sampler(

@@ -30,7 +30,14 @@ from policyworker.data.contract import ROUTES, validate_batch
 from policyworker.generation.graphs import GraphedStep
 from policyworker.model.batch_invariant import min_rows, pad_rows
 from policyworker.model.build import output_head, set_mode
-from policyworker.model.kv_cache import DecodeAttention, KVCache, Step, attached, sdpa_decode
+from policyworker.model.kv_cache import (
+    INVARIANT_DECODE,
+    DecodeAttention,
+    KVCache,
+    Step,
+    attached,
+    sdpa_decode,
+)
 from policyworker.model.replay import Replay
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits
 from policyworker.ops.sampling import Sampling, next_tokens
@@ -82,8 +89,9 @@ class Decoder:
     decode: DecodeAttention = sdpa_decode
     """A decode step's attention over the cache (`generation.decode_attention`)."""
     invariant: bool = False
-    """`batch_invariant`: the prefill's attention is `attention_rows`, and every matmul of a
-    step runs on at least `MIN_ROWS` rows (`decode` should be `invariant_decode`)."""
+    """`batch_invariant`: the prefill's attention is `attention_rows`, a decode step's is
+    `INVARIANT_DECODE` (not `decode`), and every matmul of a step runs on at least `MIN_ROWS`
+    rows."""
 
     def check(self, data: BatchedDataDict, stops: Stops) -> None:
         """A generation batch: right-padded prompts with room for a new token; stop strings
@@ -120,7 +128,8 @@ class Decoder:
         capacity = int((lengths + limits).max())
         run = _Run(self, ids, lengths, limits, how, stops, seed)
         set_mode(self.model, training=False)
-        cache = KVCache(capacity, self.decode, rows=self.invariant)
+        decode = INVARIANT_DECODE if self.invariant else self.decode
+        cache = KVCache(capacity, decode, rows=self.invariant)
         padded = min_rows(self.model) if self.invariant else contextlib.nullcontext()
         try:
             with (

@@ -16,6 +16,7 @@ Slots are zeros until written, so a masked slot never brings NaN into the attent
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -152,31 +153,31 @@ def sdpa_decode(
 
 
 def triton_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    one_split: bool = False,
 ) -> torch.Tensor:
     """`sdpa_decode` through `ops.decode_attention`'s kernel when a step feeds one token per
     row and Triton can run it — on a GPU, or on the CPU in Triton's interpreter (the tests);
-    else SDPA. The kernel reads each row's written keys only."""
+    else SDPA. The kernel reads each row's written keys only; `one_split`: each row's keys in
+    one program, in order — bitwise what `attention_rows` gives at that position."""
     if not triton_runs(q) or q.shape[2] != 1:
         return sdpa_decode(q, k, v, positions, scale)
-    return decode_attention(q[:, :, 0], k, v, positions[0], scale)[:, :, None]
-
-
-def invariant_decode(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """`triton_decode` with each row's keys in one program, in order: bitwise what
-    `attention_rows` (the prefill and scoring under `batch_invariant`) gives at that position."""
-    if not triton_runs(q) or q.shape[2] != 1:
-        return sdpa_decode(q, k, v, positions, scale)
-    return decode_attention(q[:, :, 0], k, v, positions[0], scale, one_split=True)[:, :, None]
+    out = decode_attention(q[:, :, 0], k, v, positions[0], scale, one_split=one_split)
+    return out[:, :, None]
 
 
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
 DECODE: dict[str, DecodeAttention] = {"sdpa": sdpa_decode, "triton": triton_decode}
-"""`generation.decode_attention`'s choices (`invariant_decode` under `batch_invariant`)."""
+"""`generation.decode_attention`'s choices."""
+INVARIANT_DECODE: DecodeAttention = functools.partial(triton_decode, one_split=True)
+"""A decode step's attention under `batch_invariant`, whatever `generation.decode_attention`
+says: bitwise the prefill's and scoring's `attention_rows` at the step's position."""
 
 
 def _masked_grouped(
