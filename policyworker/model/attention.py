@@ -27,7 +27,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from policyworker.ops.decode_attention import attention_rows, triton_runs
+from policyworker.ops.compiled import triton_runs
+from policyworker.ops.decode_attention import attention_rows
 from policyworker.ops.packed import packed_positions
 from policyworker.ops.rope import rope
 from policyworker.parallel.context import ContextPlan, ContextSplit

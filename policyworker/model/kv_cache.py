@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from policyworker.model.attention import SDPACoreAttention
-from policyworker.ops.decode_attention import attention_rows, decode_attention, triton_runs
+from policyworker.ops.compiled import triton_runs
+from policyworker.ops.decode_attention import attention_rows, decode_attention
 
 # Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
 # decode step has a new key length, every prefill a new prompt width. SDPA's decode

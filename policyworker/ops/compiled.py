@@ -1,4 +1,5 @@
-"""One rule for kernels we fuse with torch.compile: compiled on GPU, plain PyTorch on CPU.
+"""One rule for kernels we fuse with torch.compile: compiled on GPU, plain PyTorch on CPU; and
+where our Triton kernels run (`triton_runs`).
 
 On CPU the eager function is exact and needs no C++ toolchain or compile time (tests, CI); on GPU
 the compiled one fuses the fp32 temporaries of a memory-bound op into a single pass. The compile
@@ -9,6 +10,7 @@ of a process's start), which a CPU run never needs.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -40,3 +42,18 @@ def cuda_compiled[F: Callable[..., Any]](fn: F) -> F:
         return compiled(x, *args, **kwargs)
 
     return dispatch  # type: ignore[return-value]
+
+
+def triton_runs(x: torch.Tensor) -> bool:
+    """Whether our Triton kernels run on x: on a GPU, or on the CPU in Triton's interpreter
+    (`TRITON_INTERPRET=1`, the tests)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors, what our kernels size their grids by (8 off the GPU:
+    Triton's interpreter, in the tests)."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -24,12 +24,11 @@ without gradient under `batch_invariant` (`model/attention.py`, `model/kv_cache.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from policyworker.ops.compiled import multiprocessors
 
 BLOCK_N = 128
 """Keys per loop iteration of a program in half precision (on an H100, 128 was as fast as 64 or
@@ -162,24 +161,11 @@ def _prefill_kernel(
     tl.store(l_ptr + out, l_i, mask=keep)
 
 
-def triton_runs(x: torch.Tensor) -> bool:
-    """Whether these kernels can run on x: on a GPU, or on the CPU in Triton's interpreter
-    (`TRITON_INTERPRET=1`, the tests)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _processors(device: torch.device) -> int:
-    if device.type != "cuda":  # Triton's interpreter (tests): any count will do
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def splits_for(rows: int, groups: int, keys: int, device: torch.device) -> int:
     """Splits of a row's keys: enough programs for about four per multiprocessor, each split at
     least 256 keys."""
     programs = rows * groups
-    want = -(-4 * _processors(device) // programs)
+    want = -(-4 * multiprocessors(device) // programs)
     return max(1, min(want, keys // 256))
 
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from policyworker.ops.compiled import multiprocessors
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dimension (module docstring)."""
@@ -128,7 +130,7 @@ class _RMSNorm(torch.autograd.Function):
         grad = grad.contiguous()
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         rows_per, block, warps = _tile(h)
-        programs = max(1, min(triton.cdiv(n, rows_per), 4 * _sms(x.device)))
+        programs = max(1, min(triton.cdiv(n, rows_per), 4 * multiprocessors(x.device)))
         partial = torch.zeros(programs, h, dtype=torch.float32, device=x.device)
         if n:
             _backward_kernel[(programs,)](
@@ -136,10 +138,3 @@ class _RMSNorm(torch.autograd.Function):
                 ROWS=rows_per, BLOCK=block, num_warps=warps,
             )  # fmt: skip
         return dx, partial.sum(0).to(weight.dtype), None
-
-
-def _sms(device: torch.device) -> int:
-    """Streaming multiprocessors (8 off the GPU: Triton's interpreter, in the tests)."""
-    if device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
