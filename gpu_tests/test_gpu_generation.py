@@ -105,6 +105,24 @@ def test_batch_invariant_generation_logprobs_are_get_logprobs_bitwise(
         assert errors.log().max() <= 1e-5
 
 
+def test_race_draws_from_the_softmax_and_splits_alike():
+    from policyworker.ops.draw import race
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2000, device="cuda", generator=g) * 2
+    rows = 100_000
+    tokens = race(x.expand(rows, -1).contiguous(), 0.8, torch.Generator("cuda").manual_seed(1))
+    p = torch.softmax(x.double() / 0.8, 0)
+    seen = torch.bincount(tokens, minlength=2000).double() / rows
+    z = ((seen - p).abs() / (p * (1 - p) / rows).sqrt())[p > 1e-3]
+    assert z.max() < 5, float(z.max())
+    # one row's draw does not depend on how many rows (and so programs) the call had
+    wide = torch.randn(300, 128_256, device="cuda", dtype=torch.bfloat16, generator=g)
+    a = race(wide, 1.0, torch.Generator("cuda").manual_seed(2))
+    b = race(wide[:7], 1.0, torch.Generator("cuda").manual_seed(2))
+    assert torch.equal(a[:7], b)
+
+
 def test_greedy_equals_transformers_in_fp32(folder):
     from transformers import AutoModelForCausalLM
 

@@ -2,7 +2,8 @@
 
 The draw: logits / temperature, restricted to the `top_k` most likely tokens and to the
 smallest set whose probability reaches `top_p` (renormalized), then one multinomial draw per
-row from a seeded generator (`greedy`: the most likely token, no draw).
+row from a seeded generator (`greedy`: the most likely token, no draw). Without top-k/top-p,
+where Triton runs, the draw is `ops.draw.race`: the same distribution in one pass.
 
 The reported logprob is the token's log-softmax of logits / temperature over the whole
 vocabulary — what `get_logprobs` and every loss compute, with the same function
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from policyworker.ops.compiled import triton_runs
+from policyworker.ops.draw import race
 from policyworker.ops.logprobs import Head, LogitOptions, logprobs_at
 
 
@@ -47,18 +50,25 @@ def restrict(scaled: torch.Tensor, top_k: int | None, top_p: float) -> torch.Ten
     return out
 
 
+def _unrestricted(how: Sampling, vocab: int) -> bool:
+    return (how.top_k is None or how.top_k >= vocab) and how.top_p >= 1.0
+
+
 def next_tokens(
     logits: torch.Tensor, how: Sampling, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B] int64, its logprob [B] fp32) from one step's logits [B, V]."""
-    scaled = logits.float()
-    if how.temperature != 1.0:  # x / 1.0 is x: a pass over [B, V] saved per step
-        scaled = scaled / how.temperature
-    if how.greedy:
-        tokens = scaled.argmax(dim=-1)
+    if not how.greedy and _unrestricted(how, logits.shape[-1]) and triton_runs(logits):
+        tokens = race(logits, how.temperature, generator)  # one pass over the logits
     else:
-        probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        scaled = logits.float()
+        if how.temperature != 1.0:  # x / 1.0 is x: a pass over [B, V] saved per step
+            scaled = scaled / how.temperature
+        if how.greedy:
+            tokens = scaled.argmax(dim=-1)
+        else:
+            probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     opts = LogitOptions(temperature=how.temperature, tp_group=None)
     logp, _ = logprobs_at(Head.of_logits(logits[:, None]), tokens[:, None, None], opts)
     return tokens, logp[:, 0, 0]

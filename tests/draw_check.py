@@ -1,0 +1,52 @@
+"""Runs `ops.draw.race` in Triton's interpreter: the frequencies of many draws against
+softmax(logits / T) (a vocabulary over two of a program's blocks), the same tokens again from
+the same seed (split over 4 programs a row or 1), never a token of -inf or NaN logit; one JSON line. Run by `test_draw.py` with
+TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import json
+
+import interpreter  # noqa: F401  (first: Triton in its interpreter)
+import torch
+
+from policyworker.ops.draw import race
+
+ROWS, VOCAB, T = 600, 3000, 0.7
+
+
+def main() -> None:
+    x = torch.full((VOCAB,), -4.0)
+    hot = torch.tensor([5, 2047, 2048, 2100, 2500, 2999])  # in both blocks of a program
+    x[hot] = torch.tensor([1.0, 0.5, 0.0, 1.2, -0.5, 0.3])
+    x[7], x[8] = float("-inf"), float("nan")
+    logits = x.expand(ROWS, VOCAB).contiguous()
+    g = torch.Generator().manual_seed(0)
+    tokens = race(logits, T, g)
+    few = logits[:16]  # 4 programs a row: the chunks' winners merged
+    again = race(few, T, torch.Generator().manual_seed(0))
+    first = race(few, T, torch.Generator().manual_seed(0))
+    other = race(few, T, torch.Generator().manual_seed(1))
+    clean = torch.where(torch.isnan(x), float("-inf"), x)
+    p = torch.softmax(clean.double() / T, 0)
+    seen = torch.bincount(tokens, minlength=VOCAB).double() / ROWS
+    sigma = (p * (1 - p) / ROWS).sqrt()
+    z = ((seen - p).abs() / sigma.clamp_min(1e-12))[p > 1e-3]
+    print(
+        json.dumps(
+            {
+                "max_z": float(z.max()),
+                "hot_share": float(seen[hot].sum()),
+                "hot_p": float(p[hot].sum()),
+                "never_drawn_ok": int(seen[7] == 0 and seen[8] == 0),
+                "same_seed_same": bool(torch.equal(first, again)),
+                "chunked_same": bool(torch.equal(first, tokens[:16])),
+                "other_seed_differs": bool(not torch.equal(first, other)),
+                "dtype": str(tokens.dtype),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
