@@ -12,7 +12,7 @@ import torch
 
 from policyworker.ops.draw import race
 
-ROWS, VOCAB, T = 600, 3000, 0.7
+ROWS, VOCAB, T = 256, 3000, 0.7
 
 
 def main() -> None:
@@ -32,12 +32,12 @@ def main() -> None:
     seen = torch.bincount(tokens, minlength=VOCAB).double() / ROWS
     sigma = (p * (1 - p) / ROWS).sqrt()
     z = ((seen - p).abs() / sigma.clamp_min(1e-12))[p > 1e-3]
+    hot_sigma = (p[hot].sum() * (1 - p[hot].sum()) / ROWS).sqrt()
     print(
         json.dumps(
             {
                 "max_z": float(z.max()),
-                "hot_share": float(seen[hot].sum()),
-                "hot_p": float(p[hot].sum()),
+                "hot_z": float((seen[hot].sum() - p[hot].sum()).abs() / hot_sigma),
                 "never_drawn_ok": int(seen[7] == 0 and seen[8] == 0),
                 "same_seed_same": bool(torch.equal(first, again)),
                 "chunked_same": bool(torch.equal(first, tokens[:16])),

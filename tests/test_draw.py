@@ -15,7 +15,7 @@ def test_race_draws_from_the_softmax_and_repeats_by_seed() -> None:
     (line,) = in_interpreter("draw_check.py")
     out = json.loads(line)
     assert out["max_z"] < 4.5, out  # every likely token's share within 4.5 sigma
-    assert abs(out["hot_share"] - out["hot_p"]) < 0.06, out
+    assert out["hot_z"] < 4.5, out  # and the likely tokens' share together
     assert out["never_drawn_ok"] == 1
     assert out["same_seed_same"] and out["chunked_same"] and out["other_seed_differs"]
     assert out["dtype"] == "torch.int64"
