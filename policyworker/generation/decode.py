@@ -147,7 +147,7 @@ class Decoder:
     def forward(
         self, ids: torch.Tensor, step: Step, pick: torch.Tensor, padding: torch.Tensor
     ) -> torch.Tensor | None:
-        """One step through the pipeline: the logits [B, V] (fp32, the whole vocabulary) at
+        """One step through the pipeline: the logits [B, V] (the whole vocabulary) at
         positions `pick` [B] of `ids` [B, s] on the last stage; None on the others."""
         model = self.model
         extra = {"padding_mask": padding} if self.routes is not None else {}
@@ -186,12 +186,14 @@ class Decoder:
         return self._logits(head, pick)
 
     def _logits(self, head: Head, pick: torch.Tensor) -> torch.Tensor:
-        """The picked rows' logits [B, V] (fp32), gathered over TP, without the padding."""
+        """The picked rows' logits [B, V], gathered over TP, without the padding, in the model's
+        dtype: the draw and its logprob widen them in their one pass, as `get_logprobs` widens
+        its logits (an fp32 copy here was two more passes over [B, V] a step)."""
         rows = head.hidden.shape[0]
         hidden = head.hidden[torch.arange(rows, device=pick.device), pick]
         if self.invariant:
             hidden = pad_rows(hidden)
-        return full_logits(Head(hidden[:, None], head.weight), self.logits)[:rows, 0].float()
+        return full_logits(Head(hidden[:, None], head.weight), self.logits)[:rows, 0]
 
 
 class _Run:
