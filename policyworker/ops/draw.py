@@ -2,18 +2,19 @@
 
 A decode step at batch 256 over a 128k vocabulary drew its tokens with torch's softmax and
 multinomial: a copy of the logits to fp32, the softmax's two passes, multinomial's exponential
-noise, division and arg max — some 1.5 GB of memory traffic a step, ~5% of a step of the 1.6B
-model. Here the draw is an exponential race (the Gumbel-max trick): the token is
-`argmax_i(x_i / T - log E_i)` with E_i ~ Exp(1) independent, which is exactly a draw from
-softmax(x / T) — no normalization, no probabilities, one read of the logits. Each row's
-vocabulary is split over a few programs (`chunks_for`: about eight per multiprocessor in all);
-each keeps its best key and index, and the winner of a row's chunks is one small arg max after.
+noise, division and arg max — the sampling passes that took ~0.5 ms of a 5.3 ms step of the
+1.6B model in BENCHMARKS.md's profile. Here the draw is an exponential race (the Gumbel-max
+trick): the token is `argmax_i(x_i / T - log E_i)` with E_i ~ Exp(1) independent, which is
+exactly a draw from softmax(x / T) — no normalization, no probabilities, one read of the
+logits. Each row's vocabulary is split over a few programs (`chunks_for`: about eight per
+multiprocessor in all); each keeps its best key and index, and the winner of a row's chunks is
+one small arg max after.
 
 The noise is Triton's Philox counter stream keyed by a seed drawn from the call's generator
 (on the device: no host sync) plus the row, at the token's id: a seeded call draws the same
-tokens again, however the rows are split into programs. E = -log(1 - v) of a uniform v on a 2**-31 lattice, with its series v + v²/2
-where v is small: a large key (a small E) keeps its precision instead of the coarse steps of
-a float32 just below 1.
+tokens again, however the rows are split into programs. E = -log(1 - v) of a uniform v on a
+2**-31 lattice, with its series v + v²/2 where v is small: a large key (a small E) keeps its
+precision instead of the coarse steps of a float32 just below 1.
 """
 
 from __future__ import annotations
@@ -62,9 +63,12 @@ def chunks_for(rows: int, device: torch.device) -> int:
     return max(1, min(MAX_CHUNKS, -(-8 * multiprocessors(device) // max(rows, 1))))
 
 
-def race(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+def race(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """A token id [B] (int64) per row of `logits` [B, V] (last dim contiguous), drawn from
-    softmax(logits / temperature) with noise from `generator` (on the logits' device)."""
+    softmax(logits / temperature) with noise from `generator` (on the logits' device; None:
+    torch's default one)."""
     rows, vocab = logits.shape
     assert logits.stride(-1) == 1
     seed = torch.randint(0, 2**31, (1,), device=logits.device, generator=generator)

@@ -60,15 +60,14 @@ def next_tokens(
     """(token [B] int64, its logprob [B] fp32) from one step's logits [B, V]."""
     if not how.greedy and _unrestricted(how, logits.shape[-1]) and triton_runs(logits):
         tokens = race(logits, how.temperature, generator)  # one pass over the logits
+    elif how.greedy:  # a positive temperature and fp32 do not move the arg max: no copy
+        tokens = logits.argmax(dim=-1)
     else:
         scaled = logits.float()
         if how.temperature != 1.0:  # x / 1.0 is x: a pass over [B, V] saved per step
             scaled = scaled / how.temperature
-        if how.greedy:
-            tokens = scaled.argmax(dim=-1)
-        else:
-            probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
-            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     opts = LogitOptions(temperature=how.temperature, tp_group=None)
     logp, _ = logprobs_at(Head.of_logits(logits[:, None]), tokens[:, None, None], opts)
     return tokens, logp[:, 0, 0]
