@@ -253,3 +253,37 @@ def test_prefill_rows_equal_decode_steps_bitwise(dtype):
         step = decode_attention(q[:, :, t].contiguous(), k, v, at, dim**-0.5, one_split=True)
         differing += int((step != rows[:, :, t]).sum())
     assert differing == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_into_cache_is_rope_and_indexed_writes_bitwise(dtype):
+    """A KV cache's write in one kernel (`ops.rope.rope_into_cache`) compiled for the GPU: the
+    queries (rotated in place) and cached keys have the bits of `rope`'s kernel (what scoring
+    rotates with), the values are copied, and no other slot changes — a decode step and the
+    prefill alike."""
+    from policyworker.model.attention import Rotary
+    from policyworker.ops.rope import rope, rope_into_cache
+
+    rotary = Rotary()
+    rotary.inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, groups, rep, d, capacity = 5, 8, 4, 64, 1100
+    for s, starts in ((1, [1000, 3, 77, 512, 0]), (300, [0] * b)):
+        qkv = torch.randn(s, b, groups, (rep + 2) * d, generator=g, device="cuda", dtype=dtype)
+        query = qkv[..., : rep * d].reshape(s, b, groups * rep, d)
+        key, value = qkv[..., rep * d : (rep + 1) * d], qkv[..., (rep + 1) * d :]
+        positions = (
+            torch.tensor(starts, device="cuda")[None, :] + torch.arange(s, device="cuda")[:, None]
+        )
+        cos, sin = rotary.angles(positions[..., None], dtype)
+        keys, values = (
+            torch.randn(b, groups, capacity, d, generator=g, device="cuda", dtype=dtype)
+            for _ in range(2)
+        )
+        want_k, want_v, want_q = keys.clone(), values.clone(), rope(query, cos, sin)
+        rope_into_cache(query, key, value, (cos, sin), positions, (keys, values))
+        rows = torch.arange(b, device="cuda")[None, :].expand(s, b)
+        want_k[rows, :, positions] = rope(key, cos, sin)
+        want_v[rows, :, positions] = value
+        assert torch.equal(query, want_q)
+        assert torch.equal(keys, want_k) and torch.equal(values, want_v)

@@ -45,7 +45,33 @@ def main() -> None:
     out["fp32_view"] = _compare(qkv[..., 3 * 16 : 4 * 16].unflatten(-1, (1, 16)).squeeze(-2), c, s)
     c, s = _angles((33, 1), 64)
     out["bf16"] = _compare(torch.randn(33, 4, 64).bfloat16(), c.bfloat16(), s.bfloat16())
+    for dtype in (torch.float32, torch.float16):
+        out[f"into_cache_{str(dtype)[6:]}"] = _into_cache(dtype)
     print(json.dumps(out))
+
+
+def _into_cache(dtype: torch.dtype) -> dict[str, float]:
+    """`rope_into_cache` against `rope`'s kernel and two indexed writes, on views of a fused
+    QKV output ([s, b, groups, (rep + 2) * d]; the queries rotated in place), rows at their own
+    positions: 1.0 where bitwise equal; and whether cache slots that were not written are
+    untouched."""
+    s, b, groups, rep, d, capacity = 3, 4, 2, 3, 16, 40
+    qkv = torch.randn(s, b, groups, (rep + 2) * d, dtype=dtype)
+    query = qkv[..., : rep * d].reshape(s, b, groups * rep, d)
+    key, value = qkv[..., rep * d : (rep + 1) * d], qkv[..., (rep + 1) * d :]
+    positions = torch.tensor([5, 0, 17, 30])[None, :] + torch.arange(s)[:, None]  # [s, b]
+    cos, sin = (a.to(dtype) for a in _angles((s, b, 1), d))
+    keys, values = (torch.full((b, groups, capacity, d), 7.0, dtype=dtype) for _ in range(2))
+    want_k, want_v, want_q = keys.clone(), values.clone(), rope._rotate(query, cos, sin, False)
+    rope.rope_into_cache(query, key, value, (cos, sin), positions, (keys, values))
+    rows = torch.arange(b)[None, :].expand(s, b)
+    want_k[rows, :, positions] = rope._rotate(key, cos, sin, inverse=False)
+    want_v[rows, :, positions] = value
+    return {
+        "query": float(torch.equal(query, want_q)),
+        "keys": float(torch.equal(keys, want_k)),
+        "values": float(torch.equal(values, want_v)),
+    }
 
 
 if __name__ == "__main__":

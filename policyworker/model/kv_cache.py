@@ -27,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from policyworker.model.attention import SDPACoreAttention
 from policyworker.ops.compiled import triton_runs
 from policyworker.ops.decode_attention import attention_rows, decode_attention
+from policyworker.ops.rope import rope_into_cache
 
 # Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
 # decode step has a new key length, every prefill a new prompt width. SDPA's decode
@@ -119,15 +120,19 @@ class LayerCache:
             self.owner.where = _Where.of(step, rotary, query)
         where = self.owner.where
         assert where is not None
-        at, angles = where.positions[..., None], where.angles
-        query, key = rotary(query, at, angles), rotary(key, at, angles)
         if self.keys is None:
             shape = (b, key.shape[2], self.owner.capacity, key.shape[3])
             self.keys, self.values = key.new_zeros(shape), value.new_zeros(shape)
         assert self.values is not None
         positions = where.positions
-        self.keys[where.rows, :, positions] = key  # advanced indices first: [s, b, ng, hn]
-        self.values[where.rows, :, positions] = value
+        if triton_runs(query):  # one kernel for the four below (a decode step's small kernels)
+            cache = (self.keys, self.values)
+            rope_into_cache(query, key, value, where.angles, positions, cache)  # query in place
+        else:
+            at, angles = positions[..., None], where.angles
+            query, key = rotary(query, at, angles), rotary(key, at, angles)
+            self.keys[where.rows, :, positions] = key  # advanced indices first: [s, b, ng, hn]
+            self.values[where.rows, :, positions] = value
         n = step.keys_used
         k, v = self.keys[:, :, :n], self.values[:, :, :n]
         q = query.permute(1, 2, 0, 3)  # [b, np, s, hn]

@@ -121,17 +121,30 @@ def _partial_kernel(
         q, k_row, v_row, stride_kn, stride_vn, lo, hi, last, scale, dims, in_dim,
         BLOCK_M, BLOCK_N, PRECISION,
     )  # fmt: skip
-    # partials laid out [b, heads, SPLITS(, DIM)]
+    # partials laid out [b, heads, SPLITS(, DIM)]; one split: the output [b, heads, DIM]
     out_rows = (row * GROUPS * REP + heads) * SPLITS + split
     keep = rows < REP
-    tl.store(o_ptr + out_rows[:, None] * DIM + dims[None, :], acc, mask=keep[:, None] & in_dim)
-    tl.store(m_ptr + out_rows, m_i, mask=keep)
-    tl.store(l_ptr + out_rows, l_i, mask=keep)
+    out = o_ptr + out_rows[:, None] * DIM + dims[None, :]
+    if SPLITS == 1:
+        tl.store(out, _normalized(acc, l_i, o_ptr), mask=keep[:, None] & in_dim)
+    else:
+        tl.store(out, acc, mask=keep[:, None] & in_dim)
+        tl.store(m_ptr + out_rows, m_i, mask=keep)
+        tl.store(l_ptr + out_rows, l_i, mask=keep)
+
+
+@triton.jit
+def _normalized(acc, l_i, o_ptr):
+    """acc / l in fp32, correctly rounded (torch's division; Triton's `/` is approximate),
+    then in the output's dtype: the same bits as dividing after the kernel, without the two
+    passes over the output."""
+    sums = tl.broadcast_to(l_i[:, None], acc.shape)  # div_rn does not broadcast
+    return tl.math.div_rn(acc, sums).to(o_ptr.dtype.element_ty)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, l_ptr, seq,
+    q_ptr, k_ptr, v_ptr, o_ptr, seq,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
     stride_vn, scale,
     HEADS: tl.constexpr, REP: tl.constexpr, DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -157,8 +170,11 @@ def _prefill_kernel(
         BLOCK_M, BLOCK_N, PRECISION,
     )  # fmt: skip
     out = ((big * HEADS + head) * seq + rows).to(tl.int64)  # [b, heads, seq]
-    tl.store(o_ptr + out[:, None] * DIM + dims[None, :], acc, mask=keep[:, None] & in_dim)
-    tl.store(l_ptr + out, l_i, mask=keep)
+    tl.store(
+        o_ptr + out[:, None] * DIM + dims[None, :],
+        _normalized(acc, l_i, o_ptr),
+        mask=keep[:, None] & in_dim,
+    )
 
 
 def splits_for(rows: int, groups: int, keys: int, device: torch.device) -> int:
@@ -189,9 +205,13 @@ def decode_attention(
     splits = 1 if one_split else splits_for(b, groups, capacity, q.device)
     block_n = _block_n(k)
     split_len = -(-capacity // (splits * block_n)) * block_n
-    partial = q.new_empty((b, heads, splits, dim), dtype=torch.float32)
-    maxes = q.new_empty((b, heads, splits), dtype=torch.float32)
-    sums = torch.empty_like(maxes)
+    if splits == 1:  # the kernel writes the normalized output (the partials' buffers unused)
+        partial = q.new_empty((b, heads, 1, dim))
+        maxes = sums = q.new_empty((0,), dtype=torch.float32)
+    else:
+        partial = q.new_empty((b, heads, splits, dim), dtype=torch.float32)
+        maxes = q.new_empty((b, heads, splits), dtype=torch.float32)
+        sums = torch.empty_like(maxes)
     _partial_kernel[(b * groups, splits)](
         q,
         k,
@@ -218,7 +238,7 @@ def decode_attention(
         **_tiles(rep, dim, q.dtype),
     )
     if splits == 1:
-        return (partial[:, :, 0] / sums).to(q.dtype)
+        return partial[:, :, 0]
     top = maxes.amax(-1, keepdim=True)
     weight = torch.exp(maxes - top)  # an empty split (max -inf) weighs 0
     total = (sums * weight).sum(-1, keepdim=True)
@@ -253,14 +273,13 @@ def attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     rep = heads // k.shape[1]
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     tiles = _tiles(rep, dim, q.dtype)
-    acc = q.new_empty((b, heads, seq, dim), dtype=torch.float32)
-    sums = q.new_empty((b, heads, seq), dtype=torch.float32)
-    if acc.numel():
+    out = q.new_empty((b, heads, seq, dim))
+    if out.numel():
         grid = (b * heads, triton.cdiv(seq, tiles["BLOCK_M"]))
         _prefill_kernel[grid](
-            q, k, v, acc, sums, seq,
+            q, k, v, out, seq,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), scale,
             HEADS=heads, REP=rep, DIM=dim, BLOCK_N=_block_n(k), **tiles,
         )  # fmt: skip
-    return (acc / sums[..., None]).to(q.dtype)
+    return out

@@ -7,6 +7,9 @@ QKV output included). The rotation is computed in fp32 and rounded once; its bac
 inverse rotation of the gradient, by the same kernel. On the CPU (and in fp64) it is the torch
 ops, exact. A launch costs ~25 µs of host time where the torch.compile'd function cost ~100 µs
 in a training forward on an H100's host; a layer calls it twice.
+
+`rope_into_cache` is a KV cache's write in one kernel (the queries and keys rotated, the keys and
+values stored at their rows' positions): a decode step's four small kernels a layer in one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 @triton.jit
+def _turn(x1, x2, cos, sin, mask, HALF: tl.constexpr, INVERSE: tl.constexpr):
+    """The rotation of halves x1, x2 (fp32) by the angles at `cos`/`sin` (pointers to the first
+    half, `mask` their shape; x's rows may broadcast them): one function for both kernels, so
+    that a key rotated into the cache has the bits of the same key rotated for scoring."""
+    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)
+    if INVERSE:  # the transpose: the gradient of the rotation below
+        return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, y_ptr, n, inner,
     xa, xb, xh, ca, cb, heads,
@@ -48,14 +65,7 @@ def _rope_kernel(
     x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
     angle = a * ca + b * cb + col[None, :]
-    c1 = tl.load(cos_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + angle + HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + angle, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + angle + HALF, mask=mask, other=0.0).to(tl.float32)
-    if INVERSE:  # the transpose: the gradient of the rotation below
-        y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
-    else:
-        y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    y1, y2 = _turn(x1, x2, cos_ptr + angle, sin_ptr + angle, mask, HALF, INVERSE)
     y = y_ptr + (rows.to(tl.int64)[:, None] * heads + head) * (2 * HALF) + col[None, :]
     tl.store(y, y1.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(y + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
@@ -99,3 +109,76 @@ class _Rope(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         cos, sin = ctx.saved_tensors
         return _rotate(grad, cos, sin, inverse=True).to(ctx.dtype), None, None
+
+
+@triton.jit
+def _rotate_heads(x, y, mask, cos, sin, half, HALF: tl.constexpr):
+    """Heads at x ([heads, HALF] pointers to their first halves) rotated into y (x itself: each
+    element is read before it is written, by the same program)."""
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1, y2 = _turn(x1, x2, cos, sin, half, HALF, False)
+    tl.store(y, y1.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + HALF, y2.to(y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _into_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, batch,
+    qs, qb, qh, ks, kb, kh, vs, vb, vh, cs, cb, kcb, kch, kcn, vcb, vch, vcn,
+    HEADS: tl.constexpr, GROUPS: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One token t = i * batch + row: its query heads rotated in place, its key heads rotated
+    and its value heads copied into the cache's row at the token's position."""
+    t = tl.program_id(0)
+    i, row = (t // batch).to(tl.int64), (t % batch).to(tl.int64)
+    at = tl.load(pos_ptr + t).to(tl.int64)
+    col = tl.arange(0, BLOCK)
+    half = (col < HALF)[None, :]
+    angle = cos_ptr + i * cs + row * cb + col[None, :]  # [1, BLOCK]: every head's
+    sine = sin_ptr + i * cs + row * cb + col[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    x = q_ptr + i * qs + row * qb + heads * qh + col[None, :]
+    _rotate_heads(x, x, (heads < HEADS) & half, angle, sine, half, HALF)
+    groups = tl.arange(0, BLOCK_G)[:, None]
+    mask = (groups < GROUPS) & half
+    x = k_ptr + i * ks + row * kb + groups * kh + col[None, :]
+    y = kc_ptr + row * kcb + groups * kch + at * kcn + col[None, :]
+    _rotate_heads(x, y, mask, angle, sine, half, HALF)
+    x = v_ptr + i * vs + row * vb + groups * vh + col[None, :]
+    y = vc_ptr + row * vcb + groups * vch + at * vcn + col[None, :]
+    tl.store(y, tl.load(x, mask=mask, other=0.0), mask=mask)
+    tl.store(y + HALF, tl.load(x + HALF, mask=mask, other=0.0), mask=mask)
+
+
+def rope_into_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    angles: tuple[torch.Tensor, torch.Tensor],
+    positions: torch.Tensor,
+    cache: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """A KV cache's write in one kernel: the queries [s, b, np, d] rotated in place (no
+    temporary of their size, as `Rotary` does for a long prefill), the keys [s, b, ng, d]
+    rotated and the values copied into the cache's keys and values [b, ng, capacity, d] at
+    `positions` [s, b] — what `rope` of the queries and the keys and two indexed writes do in
+    four (bitwise: the rotation is `rope`'s). The angles (cos, sin) are [s, b, 1, d] in the
+    queries' dtype; the tensors' last dims contiguous, d even."""
+    cos, sin = angles
+    s, b, heads, d = query.shape
+    groups = key.shape[2]
+    keys, values = cache
+    assert d % 2 == 0 and cos.stride() == sin.stride() and positions.is_contiguous()
+    assert cos.dtype == query.dtype and all(
+        t.stride(-1) == 1 for t in (query, key, value, cos, keys, values)
+    )
+    if s * b:
+        _into_cache_kernel[(s * b,)](
+            query, key, value, cos, sin, positions, keys, values, b,
+            *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *cos.stride()[:2],
+            *keys.stride()[:3], *values.stride()[:3],
+            HEADS=heads, GROUPS=groups, HALF=d // 2, BLOCK_H=triton.next_power_of_2(heads),
+            BLOCK_G=triton.next_power_of_2(groups), BLOCK=triton.next_power_of_2(d // 2),
+        )  # fmt: skip

@@ -1,0 +1,53 @@
+"""The decode path's Triton kernels compiled for an H100/H200 (sm_90) on the CPU, through
+Triton's ahead-of-time path down to a cubin (its bundled ptxas): what Triton's interpreter, which
+runs them in numpy in the other tests, does not check — the compiler's type and shape rules."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from policyworker.ops import decode_attention, rope
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_sm90(fn: object, dtype: str, consts: dict, **kinds: str) -> bytes:
+    """`fn`'s cubin for sm_90: pointers (`*_ptr`) to `dtype` unless `kinds` names them, `scale`
+    fp32, other arguments int32, `consts` its constexprs."""
+    names = fn.arg_names  # type: ignore[attr-defined]
+    signature = {
+        n: "constexpr"
+        if n in consts
+        else kinds.get(n, f"*{dtype}" if n.endswith("_ptr") else "fp32" if n == "scale" else "i32")
+        for n in names
+    }
+    constexprs = {(names.index(n),): v for n, v in consts.items()}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=SM90, options={"num_warps": 4}).asm["cubin"]
+
+
+TILES = dict(DIM=64, BLOCK_M=16, BLOCK_D=64)
+
+
+@pytest.mark.processes  # ptxas
+@pytest.mark.parametrize(
+    "dtype,splits", [("bf16", 1), ("bf16", 4), ("fp32", 1)], ids=["bf16", "bf16-splits", "fp32"]
+)
+def test_decode_kernels_compile_for_sm90(dtype, splits):
+    precision = "tf32" if dtype == "bf16" else "ieee"
+    block_n = 128 if dtype == "bf16" else 64
+    partial = {"o_ptr": f"*{dtype}" if splits == 1 else "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+    consts = dict(GROUPS=8, REP=4, SPLITS=splits, BLOCK_N=block_n, PRECISION=precision, **TILES)
+    assert compile_for_sm90(
+        decode_attention._partial_kernel, dtype, consts, pos_ptr="*i64", **partial
+    )
+    consts = dict(HEADS=32, REP=4, BLOCK_N=block_n, PRECISION=precision, **TILES)
+    assert compile_for_sm90(decode_attention._prefill_kernel, dtype, consts)
+    consts = dict(HEADS=32, GROUPS=8, HALF=32, BLOCK_H=32, BLOCK_G=8, BLOCK=32)
+    assert compile_for_sm90(rope._into_cache_kernel, dtype, consts, pos_ptr="*i64")
+    for inverse in (False, True):
+        consts = dict(HALF=32, ROWS=64, BLOCK=32, INVERSE=inverse)
+        assert compile_for_sm90(rope._rope_kernel, dtype, consts)
