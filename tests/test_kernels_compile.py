@@ -16,6 +16,13 @@ from policyworker.ops import decode_attention, draw, rms_norm, rope, token_gathe
 SM90 = GPUTarget("cuda", 90, 32)
 
 
+@pytest.fixture(autouse=True)
+def _compile_cache(tmp_path, monkeypatch):
+    """Triton's compile cache in the test's folder: really compiled each run, nothing left in
+    the home directory."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+
+
 def compile_for_sm90(fn: object, dtype: str, consts: dict, warps: int = 4, **kinds: str) -> bytes:
     """`fn`'s cubin for sm_90: pointers (`*_ptr`) to `dtype` unless `kinds` names them, `scale`
     fp32, other arguments int32, `consts` its constexprs."""
