@@ -206,7 +206,7 @@ def decode_attention(
     block_n = _block_n(k)
     split_len = -(-capacity // (splits * block_n)) * block_n
     if splits == 1:  # the kernel writes the normalized output (the partials' buffers unused)
-        partial = q.new_empty((b, heads, 1, dim))
+        partial = q.new_empty((b, heads, dim))
         maxes = sums = q.new_empty((0,), dtype=torch.float32)
     else:
         partial = q.new_empty((b, heads, splits, dim), dtype=torch.float32)
@@ -238,7 +238,7 @@ def decode_attention(
         **_tiles(rep, dim, q.dtype),
     )
     if splits == 1:
-        return partial[:, :, 0]
+        return partial
     top = maxes.amax(-1, keepdim=True)
     weight = torch.exp(maxes - top)  # an empty split (max -inf) weighs 0
     total = (sums * weight).sum(-1, keepdim=True)

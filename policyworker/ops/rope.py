@@ -36,17 +36,24 @@ def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
 
 
 @triton.jit
-def _turn(x1, x2, cos, sin, mask, HALF: tl.constexpr, INVERSE: tl.constexpr):
-    """The rotation of halves x1, x2 (fp32) by the angles at `cos`/`sin` (pointers to the first
-    half, `mask` their shape; x's rows may broadcast them): one function for both kernels, so
-    that a key rotated into the cache has the bits of the same key rotated for scoring."""
-    c1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)
+def _rotate_into(x, y, mask, cos, sin, cos_mask, HALF: tl.constexpr, INVERSE: tl.constexpr):
+    """Heads at x (pointers to their first halves, `mask` their shape) rotated in fp32 by the
+    angles at `cos`/`sin` (`cos_mask` their shape; x's rows may broadcast them), rounded once
+    into y (x itself is fine: each element is read before it is written, by the same program).
+    One function for both kernels, so that a key rotated into the cache has the bits of the
+    same key rotated for scoring."""
+    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(cos, mask=cos_mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + HALF, mask=cos_mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin, mask=cos_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + HALF, mask=cos_mask, other=0.0).to(tl.float32)
     if INVERSE:  # the transpose: the gradient of the rotation below
-        return x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+        y1, y2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    else:
+        y1, y2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    tl.store(y, y1.to(y.dtype.element_ty), mask=mask)
+    tl.store(y + HALF, y2.to(y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -62,13 +69,9 @@ def _rope_kernel(
     mask = (rows < n)[:, None] & (col < HALF)[None, :]
     a, b = (rows // inner).to(tl.int64)[:, None], (rows % inner).to(tl.int64)[:, None]
     x = x_ptr + a * xa + b * xb + head * xh + col[None, :]
-    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
     angle = a * ca + b * cb + col[None, :]
-    y1, y2 = _turn(x1, x2, cos_ptr + angle, sin_ptr + angle, mask, HALF, INVERSE)
     y = y_ptr + (rows.to(tl.int64)[:, None] * heads + head) * (2 * HALF) + col[None, :]
-    tl.store(y, y1.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(y + HALF, y2.to(y_ptr.dtype.element_ty), mask=mask)
+    _rotate_into(x, y, mask, cos_ptr + angle, sin_ptr + angle, mask, HALF, INVERSE)
 
 
 def _leading(t: torch.Tensor, shape: torch.Size) -> tuple[int, int]:
@@ -112,17 +115,6 @@ class _Rope(torch.autograd.Function):
 
 
 @triton.jit
-def _rotate_heads(x, y, mask, cos, sin, half, HALF: tl.constexpr):
-    """Heads at x ([heads, HALF] pointers to their first halves) rotated into y (x itself: each
-    element is read before it is written, by the same program)."""
-    x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1, y2 = _turn(x1, x2, cos, sin, half, HALF, False)
-    tl.store(y, y1.to(y.dtype.element_ty), mask=mask)
-    tl.store(y + HALF, y2.to(y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _into_cache_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, batch,
     qs, qb, qh, ks, kb, kh, vs, vb, vh, cs, cb, kcb, kch, kcn, vcb, vch, vcn,
@@ -140,12 +132,12 @@ def _into_cache_kernel(
     sine = sin_ptr + i * cs + row * cb + col[None, :]
     heads = tl.arange(0, BLOCK_H)[:, None]
     x = q_ptr + i * qs + row * qb + heads * qh + col[None, :]
-    _rotate_heads(x, x, (heads < HEADS) & half, angle, sine, half, HALF)
+    _rotate_into(x, x, (heads < HEADS) & half, angle, sine, half, HALF, False)
     groups = tl.arange(0, BLOCK_G)[:, None]
     mask = (groups < GROUPS) & half
     x = k_ptr + i * ks + row * kb + groups * kh + col[None, :]
     y = kc_ptr + row * kcb + groups * kch + at * kcn + col[None, :]
-    _rotate_heads(x, y, mask, angle, sine, half, HALF)
+    _rotate_into(x, y, mask, angle, sine, half, HALF, False)
     x = v_ptr + i * vs + row * vb + groups * vh + col[None, :]
     y = vc_ptr + row * vcb + groups * vch + at * vcn + col[None, :]
     tl.store(y, tl.load(x, mask=mask, other=0.0), mask=mask)
