@@ -20,6 +20,7 @@ CASES = [  # dtype, rows, query heads, key heads, head dim, capacity, positions
     (torch.float32, 3, 8, 2, 64, 200, [199, 17, 0]),
     (torch.float32, 2, 5, 5, 40, 130, [64, 63]),  # no grouping, a head dim not a power of 2
     (torch.float32, 1, 12, 2, 32, 1024, [700]),  # 4 splits, the last one empty
+    (torch.float32, 2, 8, 2, 64, 768, [500, 767]),  # 3 splits (a tile of 4); one row's last empty
     (torch.float16, 2, 8, 2, 64, 300, [299, 128]),
     (torch.float16, 2, 32, 2, 64, 1024, [1023, 5]),  # 16 heads per key head; splits
 ]

@@ -53,6 +53,10 @@ def test_decode_kernels_compile_for_sm90(dtype, splits):
     assert compile_for_sm90(
         decode_attention._partial_kernel, dtype, consts, pos_ptr="*i64", **partial
     )
+    if splits > 1:
+        consts = dict(SPLITS=splits, BLOCK_S=splits, DIM=64, BLOCK_D=64)
+        sums = {"part_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}
+        assert compile_for_sm90(decode_attention._combine_kernel, dtype, consts, **sums)
     consts = dict(HEADS=32, REP=4, BLOCK_N=block_n, PRECISION=precision, **TILES)
     assert compile_for_sm90(decode_attention._prefill_kernel, dtype, consts)
     consts = dict(HEADS=32, GROUPS=8, HALF=32, BLOCK_H=32, BLOCK_G=8, BLOCK=32)

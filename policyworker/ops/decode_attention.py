@@ -8,7 +8,7 @@ given — under a CUDA graph that is the cache's whole capacity, however short t
 This kernel reads only each row's written keys (its length is read on the device, so one
 captured graph serves every step), puts the query heads that share a key head in one tile, and
 splits a row's keys over several programs when rows x key heads are too few to fill the GPU
-(flash-decoding); the splits' partial softmax sums are merged after.
+(flash-decoding); the splits' partial softmax sums are merged after, by a second kernel.
 
 Numbers: fp32 scores and sums (exact to rounding against SDPA in fp32: the dot products run in
 IEEE fp32 for fp32 inputs); bf16/fp16 probabilities are rounded to the input dtype before the
@@ -134,6 +134,31 @@ def _partial_kernel(
 
 
 @triton.jit
+def _combine_kernel(
+    part_ptr, m_ptr, l_ptr, o_ptr,
+    SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One (row, query head): its splits' partial outputs, each weighed by exp(its max - the
+    largest), over the sums weighed alike; in the output's dtype. One launch where torch's
+    reductions and elementwise ops were nine, each a pass over the partials."""
+    pid = tl.program_id(0).to(tl.int64)
+    splits, dims = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    in_split, in_dim = splits < SPLITS, dims < DIM
+    at = pid * SPLITS + splits
+    m = tl.load(m_ptr + at, mask=in_split, other=float("-inf"))
+    weight = tl.exp(m - tl.max(m, 0))  # an empty split (max -inf) weighs 0; split 0 never is
+    total = tl.sum(tl.load(l_ptr + at, mask=in_split, other=0.0) * weight, 0)
+    part = tl.load(
+        part_ptr + at[:, None] * DIM + dims[None, :],
+        mask=in_split[:, None] & in_dim[None, :],
+        other=0.0,
+    )
+    acc = tl.sum(part * weight[:, None], 0)
+    out = tl.math.div_rn(acc, tl.full([BLOCK_D], 0.0, tl.float32) + total)
+    tl.store(o_ptr + pid * DIM + dims, out.to(o_ptr.dtype.element_ty), mask=in_dim)
+
+
+@triton.jit
 def _normalized(acc, l_i, o_ptr):
     """acc / l in fp32, correctly rounded (torch's division; Triton's `/` is approximate),
     then in the output's dtype: the same bits as dividing after the kernel, without the two
@@ -239,10 +264,13 @@ def decode_attention(
     )
     if splits == 1:
         return partial
-    top = maxes.amax(-1, keepdim=True)
-    weight = torch.exp(maxes - top)  # an empty split (max -inf) weighs 0
-    total = (sums * weight).sum(-1, keepdim=True)
-    return ((partial * weight[..., None]).sum(2) / total).to(q.dtype)
+    out = q.new_empty((b, heads, dim))
+    _combine_kernel[(b * heads,)](
+        partial, maxes, sums, out,
+        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), DIM=dim,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+    )  # fmt: skip
+    return out
 
 
 def _block_n(k: torch.Tensor) -> int:
