@@ -146,7 +146,7 @@ def _combine_kernel(
     in_split, in_dim = splits < SPLITS, dims < DIM
     at = pid * SPLITS + splits
     m = tl.load(m_ptr + at, mask=in_split, other=float("-inf"))
-    weight = tl.exp(m - tl.max(m, 0))  # an empty split (max -inf) weighs 0; split 0 never is
+    weight = tl.exp(m - tl.max(m, 0))  # an empty split (max -inf) weighs 0; split 0 holds key 0
     total = tl.sum(tl.load(l_ptr + at, mask=in_split, other=0.0) * weight, 0)
     part = tl.load(
         part_ptr + at[:, None] * DIM + dims[None, :],
@@ -230,6 +230,7 @@ def decode_attention(
     splits = 1 if one_split else splits_for(b, groups, capacity, q.device)
     block_n = _block_n(k)
     split_len = -(-capacity // (splits * block_n)) * block_n
+    tiles = _tiles(rep, dim, q.dtype)
     if splits == 1:  # the kernel writes the normalized output (the partials' buffers unused)
         partial = q.new_empty((b, heads, dim))
         maxes = sums = q.new_empty((0,), dtype=torch.float32)
@@ -260,15 +261,14 @@ def decode_attention(
         SPLITS=splits,
         DIM=dim,
         BLOCK_N=block_n,
-        **_tiles(rep, dim, q.dtype),
+        **tiles,
     )
     if splits == 1:
         return partial
     out = q.new_empty((b, heads, dim))
     _combine_kernel[(b * heads,)](
         partial, maxes, sums, out,
-        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), DIM=dim,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), DIM=dim, BLOCK_D=tiles["BLOCK_D"],
     )  # fmt: skip
     return out
 
