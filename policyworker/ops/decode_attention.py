@@ -147,15 +147,16 @@ def _combine_kernel(
     at = pid * SPLITS + splits
     m = tl.load(m_ptr + at, mask=in_split, other=float("-inf"))
     weight = tl.exp(m - tl.max(m, 0))  # an empty split (max -inf) weighs 0; split 0 holds key 0
-    total = tl.sum(tl.load(l_ptr + at, mask=in_split, other=0.0) * weight, 0)
+    total = tl.sum(tl.load(l_ptr + at, mask=in_split, other=0.0) * weight, 0, keep_dims=True)
     part = tl.load(
         part_ptr + at[:, None] * DIM + dims[None, :],
         mask=in_split[:, None] & in_dim[None, :],
         other=0.0,
     )
-    acc = tl.sum(part * weight[:, None], 0)
-    out = tl.math.div_rn(acc, tl.full([BLOCK_D], 0.0, tl.float32) + total)
-    tl.store(o_ptr + pid * DIM + dims, out.to(o_ptr.dtype.element_ty), mask=in_dim)
+    acc = tl.sum(part * weight[:, None], 0, keep_dims=True)  # [1, BLOCK_D]: `_normalized`'s tile
+    tl.store(
+        o_ptr + pid * DIM + dims[None, :], _normalized(acc, total, o_ptr), mask=in_dim[None, :]
+    )
 
 
 @triton.jit
