@@ -36,6 +36,12 @@ def _nan_at(key):
     return _set_at(key, float("nan"))
 
 
+def _too_long(d):
+    """A row of 65 tokens (the context is 64): the rows' lengths are judged, not the width."""
+    d["input_ids"] = torch.zeros(4, 65, dtype=torch.long)
+    d["input_lengths"] = torch.tensor([65, 3, 3, 3])
+
+
 BAD_BATCHES = {
     "missing input_ids": (_drop("input_ids"), "input_ids"),
     "missing advantages": (_drop("advantages"), "advantages"),
@@ -43,10 +49,7 @@ BAD_BATCHES = {
     "1-D input_ids": (_set("input_ids", lambda d: d["input_ids"][0]), "input_ids"),
     "token id out of vocab": (_set("input_ids", lambda d: d["input_ids"] + 1000), "input_ids"),
     "negative token id": (_set("input_ids", lambda d: d["input_ids"] - 1000), "input_ids"),
-    "too long": (
-        _set("input_ids", lambda d: torch.zeros(4, 65, dtype=torch.long)),
-        "max_total_sequence_length",
-    ),
+    "too long": (_too_long, "max_total_sequence_length"),
     "length 0": (_set("input_lengths", torch.tensor([0, 3, 3, 3])), "input_lengths"),
     "length > S": (_set("input_lengths", torch.tensor([13, 3, 3, 3])), "input_lengths"),
     "float lengths": (_set("input_lengths", torch.tensor([3.0, 3, 3, 3])), "input_lengths"),

@@ -60,11 +60,15 @@ def results(worker: MegatronPolicyWorker | Policy, folder: Path) -> dict[str, ob
     out["train"].append(worker.train(opd, FullDistillationLoss()))
     prompts = BatchedDataDict({"input_ids": data["input_ids"],
                                "input_lengths": (data["input_lengths"] + 1) // 2})  # fmt: skip
-    generated = worker.generate(data=prompts, greedy=True)  # shards of different widths
+    generated = worker.generate(data=prompts, seed=11)  # shards of different widths
+    # copies of one prompt (GRPO's groups): each row's draws are keyed by its index in the
+    # whole batch, so the copies differ, and alike for any number of data-parallel workers
+    copies = prompts.select_indices([0] * 8)
     return out | {
         "logprobs_after": worker.get_logprobs(data=data)["logprobs"],
         "generated_ids": generated["output_ids"],
         "generated_logprobs": generated["logprobs"],
+        "copies_ids": worker.generate(data=copies, seed=12)["output_ids"],
     }
 
 
@@ -80,6 +84,8 @@ def single(model_dir: Path) -> dict[str, object]:
 
 def assert_equal_results(got: dict, want: dict) -> None:
     assert torch.equal(got["generated_ids"], want["generated_ids"])
+    assert torch.equal(got["copies_ids"], want["copies_ids"])
+    assert len({tuple(r) for r in got["copies_ids"].tolist()}) == 8
     for key in ("logprobs", "reference", "topk_logits", "logprobs_after", "generated_logprobs"):
         torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=0, msg=key)
     assert torch.equal(got["topk_indices"], want["topk_indices"])

@@ -69,7 +69,13 @@ def test_decode_kernels_compile_for_sm90(dtype, splits):
 @pytest.mark.processes  # ptxas
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_draw_norm_and_gather_kernels_compile_for_sm90(dtype):
-    ints = {"seed_ptr": "*i64", "key_ptr": "*fp32", "idx_ptr": "*i32", "inv_t": "fp32"}
+    ints = {
+        "seed_ptr": "*i64",
+        "rows_ptr": "*i64",
+        "key_ptr": "*fp32",
+        "idx_ptr": "*i32",
+        "inv_t": "fp32",
+    }
     assert compile_for_sm90(draw._race_kernel, dtype, dict(BLOCK=draw.BLOCK), **ints)
     for hidden in (2048, 8192):  # 4 and 8 warps (`_tile`)
         rows, block, warps = rms_norm._tile(hidden)

@@ -53,7 +53,7 @@ def test_greedy_tokens_are_transformers_and_logprobs_are_get_logprobs(worker, fo
 
     data = prompts()
     out = worker.generate(data=data, greedy=True)
-    assert out["output_ids"].shape[1] == 8 + int(out["generation_lengths"].max())
+    assert out["output_ids"].shape[1] == int(out["unpadded_sequence_lengths"].max())
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     for row, n in enumerate(LENGTHS):
         want = hf.generate(
@@ -93,11 +93,42 @@ def test_top_k_1_and_a_tiny_top_p_draw_the_greedy_tokens(folder):
         assert drawn["logprobs"].min() < -1e-3
 
 
-def test_a_row_stops_at_the_context_end(folder):
+def test_a_row_stops_at_the_context_end_and_the_output_is_a_batch_to_score(folder):
     w = make_worker(folder, max_total_sequence_length=10, generation={"max_new_tokens": 5})
     out = w.generate(data=prompts([8, 2], width=8), greedy=True)
-    assert out["generation_lengths"].tolist()[0] == 2  # 10 - 8
-    assert out["unpadded_sequence_lengths"].max() <= 10
+    assert out["generation_lengths"].tolist() == [2, 5]  # 10 - 8; max_new_tokens
+    # as wide as the longest row (10), not prompt width + longest response (8 + 5 = 13)
+    assert out["output_ids"].shape[1] == 10
+    scored(w, out)  # the natural next call takes it
+    # a batch wider than the context is judged by its rows' lengths
+    wide = prompts([8, 2], width=8)
+    wide["input_ids"] = torch.cat([wide["input_ids"], torch.zeros(2, 6, dtype=torch.long)], 1)
+    lp = w.get_logprobs(data=wide)["logprobs"]
+    assert lp.shape == (2, 14)
+    assert torch.equal(lp[:, :8], w.get_logprobs(data=prompts([8, 2], width=8))["logprobs"])
+
+
+def test_a_rows_draws_are_keyed_by_its_id_not_its_place_or_neighbours(worker):
+    """Copies of one prompt draw independently; a row given its id (`row_ids`, what the driver
+    sets for each data-parallel shard) draws what it draws inside the whole batch."""
+    data = prompts()
+    whole = worker.generate(data=data, seed=5)
+    copies = prompts([LENGTHS[2]] * 8)
+    copies["input_ids"][:] = data["input_ids"][2]
+    drawn = worker.generate(data=copies, seed=5)["output_ids"]
+    assert len({tuple(r) for r in drawn.tolist()}) == 8
+    part = BatchedDataDict({k: v[2:] for k, v in data.items()})
+    part["row_ids"] = torch.tensor([2, 3])
+    half = worker.generate(data=part, seed=5)
+    for row in (0, 1):
+        end = int(half["unpadded_sequence_lengths"][row])
+        assert half["output_ids"][row, :end].tolist() == whole["output_ids"][2 + row, :end].tolist()
+    part["row_ids"] = torch.tensor([0, 1])  # other ids: other draws
+    assert not torch.equal(worker.generate(data=part, seed=5)["output_ids"], half["output_ids"])
+    for bad in (torch.tensor([-1, 0]), torch.tensor([0]), torch.tensor([0.0, 1.0])):
+        part["row_ids"] = bad
+        with pytest.raises(ValueError, match="row_ids"):
+            worker.generate(data=part, seed=5)
 
 
 def test_stop_strings_from_the_config_and_the_batch(tmp_path):

@@ -64,8 +64,6 @@ def validate_batch(
     b, s = ids.shape
     if b == 0 or s == 0:
         _fail("input_ids", "a non-empty [B, S]", str(tuple(ids.shape)))
-    if s > max_seq_len:
-        _fail("input_ids", f"sequence length <= max_total_sequence_length={max_seq_len}", f"S={s}")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         _fail(
             "input_ids",
@@ -74,10 +72,13 @@ def validate_batch(
         )
     lengths = data["input_lengths"]
     _check_shape("input_lengths", lengths, (b,), integer=True)
-    if int(lengths.min()) < 1 or int(lengths.max()) > s:
+    # Rows are judged by their lengths, not by the tensor's width: padding past the longest
+    # row is never computed on (micro-batches are cut to their longest row).
+    longest = min(s, max_seq_len)
+    if int(lengths.min()) < 1 or int(lengths.max()) > longest:
         _fail(
             "input_lengths",
-            f"values in [1, S={s}]",
+            f"values in [1, min(S={s}, max_total_sequence_length={max_seq_len})]",
             f"range [{int(lengths.min())}, {int(lengths.max())}]",
         )
     for key in keys:
@@ -138,6 +139,22 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor {list(value.shape)} {value.dtype}"
     return type(value).__name__
+
+
+ROW_IDS = "row_ids"
+"""[B] ints in [0, 2**31): each row's index in the caller's whole batch, which keys the row's
+random draws in `generate` (the driver sets it for each data-parallel shard; default: the
+shard's place, dp_rank x B + the row)."""
+
+
+def check_row_ids(data: Any) -> None:
+    """`row_ids`, if given: [B] integers in [0, 2**31). Raises `BatchValidationError`."""
+    ids = data.get(ROW_IDS)
+    if ids is None:
+        return
+    _check_shape(ROW_IDS, ids, (data["input_ids"].shape[0],), integer=True)
+    if int(ids.min()) < 0 or int(ids.max()) >= 2**31:
+        _fail(ROW_IDS, "ints in [0, 2**31)", f"range [{int(ids.min())}, {int(ids.max())}]")
 
 
 ROUTES = "routed_experts"

@@ -46,6 +46,10 @@ class Call:
     split: Split = Split.BALANCED
     per_rank: tuple[str, ...] = ()
     """Arguments that may be given as a list of one value per rank."""
+    indexed: bool = False
+    """Each row of the batch carries its index in the caller's batch (`row_ids`, unless the
+    caller gave them) to its shard: generation keys a row's draws by it, so they do not depend
+    on the number of shards."""
 
 
 def balanced_split(lengths: Sequence[int], shards: int, unit: int = 1) -> list[list[int]]:

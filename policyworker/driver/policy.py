@@ -26,7 +26,7 @@ import torch
 
 from policyworker.config import PolicyConfig, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import ROUTES, validate_batch
+from policyworker.data.contract import ROUTES, ROW_IDS, check_row_ids, validate_batch
 from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
 from policyworker.driver.group import WorkerGroup
 from policyworker.driver.local import LocalGroup, local_envs
@@ -80,8 +80,10 @@ def dispatched(
     sharded: str | None = None,
     split: Split = Split.BALANCED,
     per_rank: tuple[str, ...] = (),
+    indexed: bool = False,
 ) -> Any:
-    return _Dispatched(Call(output, sharded=sharded, split=split, per_rank=per_rank))
+    call = Call(output, sharded=sharded, split=split, per_rank=per_rank, indexed=indexed)
+    return _Dispatched(call)
 
 
 class Policy:
@@ -196,7 +198,7 @@ class Policy:
     get_topk_logits = dispatched(Output.BATCH, sharded="data")
     calibrate_qkv_fp8_scales = dispatched(Output.FIRST, sharded="data")
     get_logprobs_with_full_payload = dispatched(Output.BATCH, sharded="data")
-    generate = dispatched(Output.BATCH, sharded="data")
+    generate = dispatched(Output.BATCH, sharded="data", indexed=True)
     load_opd_full_teacher_lm_head = dispatched()
     train = dispatched(sharded="data", split=Split.GLOBAL_BATCHES)
     begin_train_step = dispatched()
@@ -283,6 +285,8 @@ class Policy:
             with _timed(timer, f"{name}/shard_data"):
                 rows = self._shard(call, args)
                 data: BatchedDataDict = args[call.sharded]
+                if call.indexed and ROW_IDS not in data:  # a shallow copy: the caller's is kept
+                    data = BatchedDataDict({**data, ROW_IDS: torch.arange(sum(map(len, rows)))})
                 # one replica: the batch as given, no copies (index ops cost ms on a busy host)
                 shards = [data] if len(rows) == 1 else [data.select_indices(r) for r in rows]
                 for r in range(world):
@@ -309,6 +313,8 @@ class Policy:
             max_seq_len=self.cfg.max_total_sequence_length,
             vocab_size=self.shape.vocab_size,
         )
+        if call.indexed:
+            check_row_ids(data)
         dp = self.mesh.dp
         if b < dp or (call.split is not Split.BALANCED and b % dp):
             raise ValueError(f"{call.sharded}: {b} rows do not split over data_parallel={dp}")

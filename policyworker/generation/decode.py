@@ -26,7 +26,7 @@ from megatron.core.transformer.utils import set_model_to_sequence_parallel
 from megatron.core.utils import get_model_config, unwrap_model
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import ROUTES, validate_batch
+from policyworker.data.contract import ROUTES, check_row_ids, validate_batch
 from policyworker.generation.graphs import GraphedStep
 from policyworker.model.batch_invariant import min_rows, pad_rows
 from policyworker.model.build import output_head, set_mode
@@ -99,6 +99,7 @@ class Decoder:
         vocab = self.logits.vocab_size
         assert vocab is not None
         validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=vocab)
+        check_row_ids(data)
         longest = int(data["input_lengths"].max())
         if longest >= self.max_seq_len:
             raise ValueError(
@@ -116,17 +117,27 @@ class Decoder:
             raise ValueError("stop_strings: need the worker's tokenizer (pass tokenizer=)")
 
     def generate(
-        self, data: BatchedDataDict, how: Sampling, stops: Stops, *, max_new_tokens: int, seed: int
+        self,
+        data: BatchedDataDict,
+        how: Sampling,
+        stops: Stops,
+        *,
+        max_new_tokens: int,
+        seed: int,
+        row_ids: torch.Tensor,
     ) -> BatchedDataDict:
         """The reference's generation keys for right-padded prompts: `output_ids` [B, W]
-        (prompt, response, then padding), `logprobs` [B, W] (0 on the prompt), lengths,
-        `truncated`; an MoE model's `routed_experts` [B, W, L, K] too."""
+        (prompt, response, then padding; W the longest row), `logprobs` [B, W] (0 on the
+        prompt), lengths, `truncated`; an MoE model's `routed_experts` [B, W, L, K] too.
+        `row_ids` [B] key each row's draws (`ops.draw`)."""
         lengths = data["input_lengths"].to(torch.long).cpu()
         width = int(lengths.max())
         ids = data["input_ids"][:, :width].to(self.device)
         limits = torch.clamp(self.max_seq_len - lengths, max=max_new_tokens)  # >= 1 (check)
         capacity = int((lengths + limits).max())
-        run = _Run(self, ids, lengths, limits, how, stops, seed)
+        run = _Run(
+            self, ids, lengths, limits, how, stops, seed, row_ids.to(self.device, torch.long)
+        )
         set_mode(self.model, training=False)
         decode = INVARIANT_DECODE if self.invariant else self.decode
         cache = KVCache(capacity, decode, rows=self.invariant)
@@ -142,7 +153,7 @@ class Decoder:
         finally:
             if self.routes is not None:
                 self.routes.replay.reset()
-        return run.result(data["input_ids"].shape[1])
+        return run.result()
 
     def forward(
         self, ids: torch.Tensor, step: Step, pick: torch.Tensor, padding: torch.Tensor
@@ -208,10 +219,12 @@ class _Run:
         how: Sampling,
         stops: Stops,
         seed: int,
+        row_ids: torch.Tensor,
     ) -> None:
         self.d, self.ids, self.how, self.stops = decoder, ids, how, stops
         self.lengths, self.limits = lengths, limits
         self.generator = torch.Generator(device=decoder.device).manual_seed(seed)
+        self.row_ids = row_ids  # [B] on the device
         self.tokens: list[torch.Tensor] = []  # per step [B] on CPU
         self.logprobs: list[torch.Tensor] = []
         self.counts = torch.zeros_like(lengths)  # tokens drawn per row
@@ -304,7 +317,7 @@ class _Run:
 
     def _draw(self, logits: torch.Tensor) -> torch.Tensor:
         """One step's draw on the logits' device: [2, B] fp64, the tokens and their logprobs."""
-        tokens, logprobs = next_tokens(logits, self.how, self.generator)
+        tokens, logprobs = next_tokens(logits, self.how, self.generator, self.row_ids)
         return torch.stack([tokens.double(), logprobs.double()])
 
     def _mark(self, drawn: torch.Tensor) -> None:
@@ -364,12 +377,13 @@ class _Run:
         for j in range(shape[1]):
             self.route_rows[torch.arange(shape[0]), starts + j] = used[:, j]
 
-    def result(self, prompt_width: int) -> BatchedDataDict:
-        """The reference's generation keys (`Decoder.generate`)."""
+    def result(self) -> BatchedDataDict:
+        """The reference's generation keys (`Decoder.generate`), as wide as the longest row:
+        never wider than the context, so the output is a batch `get_logprobs` takes."""
         b = self.ids.shape[0]
         drawn = torch.stack(self.tokens, dim=1)  # [B, steps]
         lps = torch.stack(self.logprobs, dim=1)
-        width = prompt_width + int(self.counts.max())
+        width = int((self.lengths + self.counts).max())
         out_ids = torch.full((b, width), self.d.pad_id, dtype=torch.long)
         out_lp = torch.zeros(b, width)
         prompt = self.ids.cpu()

@@ -9,13 +9,17 @@ import torch
 
 from policyworker.config import GenerationConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import ROW_IDS
 from policyworker.generation.decode import Decoder, Stops, stop_rows
 from policyworker.ops.sampling import Sampling
 
 
 class Sampler:
     """Generation settings over a `Decoder`; each call without a seed takes the next one
-    (`seed`, `seed + 1`, ...), so a worker built alike draws alike."""
+    (`seed`, `seed + 1`, ...), so a worker built alike draws alike. A row's draws are keyed by
+    the call's seed and the row's id (`row_ids`, the driver's global row index; without it the
+    row's place in a contiguous split, dp_rank x B + the row), never by the rank: the data-parallel
+    ranks of one call draw independently, and a row draws alike over any number of them."""
 
     def __init__(
         self,
@@ -56,7 +60,13 @@ class Sampler:
             seed, self.next_seed = self.next_seed, self.next_seed + 1
         s = self.settings
         how = Sampling(temperature=self.temperature, top_k=s.top_k, top_p=s.top_p, greedy=greedy)
-        out = self.decoder.generate(data, how, stops, max_new_tokens=s.max_new_tokens, seed=seed)
+        rows = data.get(ROW_IDS)
+        if rows is None:
+            b = data["input_ids"].shape[0]
+            rows = self.decoder.groups.dp_rank * b + torch.arange(b)
+        out = self.decoder.generate(
+            data, how, stops, max_new_tokens=s.max_new_tokens, seed=seed, row_ids=rows
+        )
         if self.decoder.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV cache leaves no reserved memory behind
         return out

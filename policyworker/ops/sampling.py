@@ -1,9 +1,11 @@
 """Drawing the next token from full-vocabulary logits [B, V], and the logprob reported for it.
 
 The draw: logits / temperature, restricted to the `top_k` most likely tokens and to the
-smallest set whose probability reaches `top_p` (renormalized), then one multinomial draw per
-row from a seeded generator (`greedy`: the most likely token, no draw). Without top-k/top-p,
-where Triton runs, the draw is `ops.draw.race`: the same distribution in one pass.
+smallest set whose probability reaches `top_p` (renormalized), then one draw per row
+(`greedy`: the most likely token, no draw) as an exponential race (`ops.draw`): its noise is
+keyed by a step seed from the call's generator and the row's id, so a row's draw does not
+depend on the other rows of the call or on which data-parallel rank draws it. Where Triton
+runs it is one pass over the logits (`race`), elsewhere torch operations (`race_torch`).
 
 The reported logprob is the token's log-softmax of logits / temperature over the whole
 vocabulary — what `get_logprobs` and every loss compute, with the same function
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 
 from policyworker.ops.compiled import triton_runs
-from policyworker.ops.draw import race
+from policyworker.ops.draw import race, race_torch
 from policyworker.ops.logprobs import Head, LogitOptions, logprobs_at
 
 
@@ -55,19 +57,22 @@ def _unrestricted(how: Sampling, vocab: int) -> bool:
 
 
 def next_tokens(
-    logits: torch.Tensor, how: Sampling, generator: torch.Generator | None
+    logits: torch.Tensor,
+    how: Sampling,
+    generator: torch.Generator | None,
+    row_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token [B] int64, its logprob [B] fp32) from one step's logits [B, V]."""
-    if not how.greedy and _unrestricted(how, logits.shape[-1]) and triton_runs(logits):
-        tokens = race(logits, how.temperature, generator)  # one pass over the logits
-    elif how.greedy:  # a positive temperature and fp32 do not move the arg max: no copy
+    """(token [B] int64, its logprob [B] fp32) from one step's logits [B, V]; `row_ids` [B]
+    (on the logits' device) key each row's noise."""
+    if how.greedy:  # a positive temperature and fp32 do not move the arg max: no copy
         tokens = logits.argmax(dim=-1)
     else:
-        scaled = logits.float()
-        if how.temperature != 1.0:  # x / 1.0 is x: a pass over [B, V] saved per step
-            scaled = scaled / how.temperature
-        probs = torch.softmax(restrict(scaled, how.top_k, how.top_p), dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        x, temperature = logits, how.temperature  # unrestricted: one pass over the logits
+        if not _unrestricted(how, logits.shape[-1]):
+            x = restrict(logits.float() / temperature, how.top_k, how.top_p)
+            temperature = 1.0
+        draw = race if triton_runs(x) else race_torch
+        tokens = draw(x, temperature, generator, row_ids)
     opts = LogitOptions(temperature=how.temperature, tp_group=None)
     logp, _ = logprobs_at(Head.of_logits(logits[:, None]), tokens[:, None, None], opts)
     return tokens, logp[:, 0, 0]
