@@ -7,7 +7,8 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
         (with distopt); ep: EP2, etp: expert TP = TP, allgather: that
         token dispatcher; recompute / selrecompute: full / selective activation recompute;
         chunk: logits in chunks of CHUNK tokens; replay: router replay of the routes chosen on
-        the first call; seqaux: a per-sequence load-balancing loss; invariant: batch_invariant)
+        the first call; seqaux: a per-sequence load-balancing loss; invariant: batch_invariant;
+        dyn: dynamic batching)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, a step of each other loss
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import HostReads, make_batch
 
 from policyworker.config import (
+    DynamicBatchingConfig,
     GenerationConfig,
     MoEConfig,
     OptimizerConfig,
@@ -39,6 +41,7 @@ from policyworker.config import (
     SequencePackingConfig,
 )
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.data.contract import ROUTES
 from policyworker.losses import (
     ClippedPGConfig,
     ClippedPGLoss,
@@ -114,23 +117,45 @@ def layout_results(
     # as the routers choose (transformers' logprobs of the export route on their own too)
     out["logprobs_final"] = worker.get_logprobs(data=data, require_router_replay=False)["logprobs"]
     out |= generated(worker, data)
+    out |= odd_width(worker, data)
     return out
 
 
+def odd_width(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
+    """The forward-only calls on the batch cut to an odd width, SEQ - 1, its longest rows that
+    long: under TP2 with sequence parallelism a micro-batch runs one position wider than the
+    batch (its width rounded up to a multiple of TP)."""
+    width = SEQ - 1
+    ids = data["input_ids"][:, :width]
+    odd = BatchedDataDict(
+        {"input_ids": ids, "input_lengths": data["input_lengths"].clamp(max=width)}
+    )
+    if ROUTES in data:
+        odd[ROUTES] = data[ROUTES][:, :width]
+    out = {
+        "odd_logprobs": worker.get_logprobs(data=odd)["logprobs"],
+        "odd_topk_logits": worker.get_topk_logits(data=odd, k=TOPK)["topk_logits"],
+        "odd_reference": worker.get_reference_policy_logprobs(data=odd)["reference_logprobs"],
+    }
+    payload = worker.get_logprobs_with_full_payload(
+        data=odd, payload="logits", payload_dtype="float32"
+    )["teacher_full_payload"]
+    return out | ({} if payload is None else {"odd_payload": payload})
+
+
 def generated(worker: MegatronPolicyWorker, data: BatchedDataDict) -> dict[str, torch.Tensor]:
-    """Greedy responses to the rows' first halves, and (one data-parallel rank: the draws
-    follow the rows' order within a call) sampled ones, padded to one width."""
+    """Greedy and sampled responses to the rows' first halves, padded to one width (a row's
+    draws are keyed by its index in the whole batch: dp_rank x B + the row for this contiguous
+    split, so every layout draws the one rank's samples)."""
     prompts = BatchedDataDict(
         {"input_ids": data["input_ids"], "input_lengths": (data["input_lengths"] + 1) // 2}
     )
-    calls = {"greedy": {"greedy": True}}
-    if worker.dims.dp == 1:
-        calls["sampled"] = {"seed": 11}
+    calls = {"greedy": {"greedy": True}, "sampled": {"seed": 11}}
     out = {}
     for name, kwargs in calls.items():
         got = worker.generate(data=prompts, **kwargs)
         pad = SEQ + NEW_TOKENS - got["output_ids"].shape[1]
-        out[f"{name}_ids"] = torch.nn.functional.pad(got["output_ids"], (0, pad), value=-1)
+        out[f"{name}_ids"] = torch.nn.functional.pad(got["output_ids"], (0, pad))  # pad id 0
         out[f"{name}_logprobs"] = torch.nn.functional.pad(got["logprobs"], (0, pad))
     return out
 
@@ -186,6 +211,7 @@ def config(
     replay: bool = False,
     seq_aux: bool = False,
     invariant: bool = False,
+    dynamic: bool = False,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -214,6 +240,9 @@ def config(
             sequence_parallel=sp,
         ),
         sequence_packing=packing,
+        dynamic_batching=DynamicBatchingConfig(
+            enabled=dynamic, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
+        ),
         generation=GenerationConfig(max_new_tokens=NEW_TOKENS),
         moe=MoEConfig(
             moe_token_dispatcher_type=dispatcher,
@@ -262,6 +291,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             replay="replay" in flags,
             seq_aux="seqaux" in flags,
             invariant="invariant" in flags,
+            dynamic="dyn" in flags,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

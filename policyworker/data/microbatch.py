@@ -32,21 +32,25 @@ from policyworker.parallel.dims import Groups, ParallelDims
 
 
 def trim_to_longest(mb: BatchedDataDict, multiple: int = 1) -> BatchedDataDict:
-    """Per-token fields [B, S, ...] cut (or zero-padded) to the longest row rounded up to
+    """Per-token fields [B, S, ...] cut (or padded: zeros, routes -1 — left to the router, as
+    a route of zeros would send the token to expert 0 K times) to the longest row rounded up to
     `multiple` (sequence parallelism needs lengths that TP divides)."""
     seq = mb["input_ids"].shape[1]
     width = round_up(int(mb["input_lengths"].max()), multiple)
     if width == seq:
         return mb
 
-    def fit(v: torch.Tensor) -> torch.Tensor:
+    def fit(key: str, v: torch.Tensor) -> torch.Tensor:
         if width < seq:
             return v[:, :width]
-        return torch.cat([v, v.new_zeros(v.shape[0], width - seq, *v.shape[2:])], dim=1)
+        pad = v.new_full((v.shape[0], width - seq, *v.shape[2:]), -1 if key == ROUTES else 0)
+        return torch.cat([v, pad], dim=1)
 
     return BatchedDataDict(
         {
-            k: fit(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq else v
+            k: fit(k, v)
+            if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq
+            else v
             for k, v in mb.items()
         }
     )

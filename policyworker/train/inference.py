@@ -247,12 +247,13 @@ def _rows(
     fill: float,
 ) -> torch.Tensor:
     """Per-micro-batch [n, S', ...] results in the batch's row order on CPU ([B, S, ...] can be
-    large), `fill` past each row's length."""
+    large), `fill` past each row's length. S' may exceed S: a micro-batch is its longest row
+    rounded up to a multiple of TP under sequence parallelism (positions past every length)."""
     out = torch.full(shape, fill, dtype=dtype)
+    b, s = shape[:2]
     for mb, part in zip(microbatches, parts, strict=False):
-        part = part.cpu()
+        part = part[:, :s].cpu()
         for i, row in enumerate(mb.rows):  # row copies: CPU advanced indexing is slow
             out[row, : part.shape[1]] = part[i]
-    b, s = shape[:2]
     valid = torch.arange(s)[None, :] < lengths.cpu()[:, None]  # [B, S]
     return out.masked_fill_(~valid.reshape(b, s, *[1] * (len(shape) - 2)), fill)
