@@ -111,16 +111,19 @@ def test_race_draws_from_the_softmax_and_splits_alike():
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2000, device="cuda", generator=g) * 2
     rows = 100_000
-    tokens = race(x.expand(rows, -1).contiguous(), 0.8, torch.Generator("cuda").manual_seed(1))
+    ids = torch.arange(rows, device="cuda")
+    tokens = race(x.expand(rows, -1).contiguous(), 0.8, torch.Generator("cuda").manual_seed(1), ids)
     p = torch.softmax(x.double() / 0.8, 0)
     seen = torch.bincount(tokens, minlength=2000).double() / rows
     z = ((seen - p).abs() / (p * (1 - p) / rows).sqrt())[p > 1e-3]
     assert z.max() < 5, float(z.max())
-    # one row's draw does not depend on how many rows (and so programs) the call had
+    # one row's draw does not depend on how many rows (and so programs) the call had, nor on
+    # its place in the call: on its id
     wide = torch.randn(300, 128_256, device="cuda", dtype=torch.bfloat16, generator=g)
-    a = race(wide, 1.0, torch.Generator("cuda").manual_seed(2))
-    b = race(wide[:7], 1.0, torch.Generator("cuda").manual_seed(2))
-    assert torch.equal(a[:7], b)
+    a = race(wide, 1.0, torch.Generator("cuda").manual_seed(2), ids[:300])
+    b = race(wide[:7], 1.0, torch.Generator("cuda").manual_seed(2), ids[:7])
+    c = race(wide[5:9], 1.0, torch.Generator("cuda").manual_seed(2), ids[5:9])
+    assert torch.equal(a[:7], b) and torch.equal(a[5:9], c)
 
 
 def test_greedy_equals_transformers_in_fp32(folder):

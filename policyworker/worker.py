@@ -10,7 +10,7 @@ together by `assembly`). A bad call raises `ValueError` before any state changes
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +18,7 @@ import torch
 
 from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.checkpoint.paths import check_save_paths, initial_weights
-from policyworker.config import PolicyConfig, teacher_path
+from policyworker.config import PolicyConfig, as_policy_config, teacher_path
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.logs import quiet_third_party
 from policyworker.losses.common import Loss
@@ -38,7 +38,7 @@ class MegatronPolicyWorker:
 
     def __init__(
         self,
-        config: PolicyConfig,
+        config: PolicyConfig | Mapping[str, Any],
         tokenizer: Any | None = None,
         weights_path: str | None = None,
         optimizer_path: str | None = None,
@@ -49,6 +49,7 @@ class MegatronPolicyWorker:
         quiet_third_party()  # before megatron-core's first import: its notices are not ours
         from policyworker import assembly  # megatron-core loads here: the driver imports this too
 
+        config = as_policy_config(config)  # NeMo-RL passes its configs as dicts
         self.cfg, self.tokenizer = config, tokenizer
         self.is_refit_destination = is_refit_destination  # receives reshard refits; never trains
         if is_refit_destination:

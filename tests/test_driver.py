@@ -382,11 +382,22 @@ class _Timer:
 
 
 def test_a_nemo_rl_loop_runs_on_policy_unchanged(model_dir, single):
-    """The reference's calling convention: `data` positionally, `timer=`, `finish_training()`,
-    and `all_mb_metrics` (per micro-batch, every DP rank's) beside the reduced metrics."""
+    """The reference's calling convention: its policy config as a dict, `data` positionally,
+    `timer=`, `finish_training()`, and `all_mb_metrics` (per micro-batch, every DP rank's)
+    beside the reduced metrics."""
     data = make_batch(batch=8, seq=12, lengths=LENGTHS)
     timer = _Timer()
-    with Policy(config(model_dir), num_workers=2) as policy:
+    nemo_rl_policy = {  # NeMo-RL's policy section, a dict, as its loops pass it
+        "model_name": str(model_dir),
+        "precision": "float32",
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 2,
+        "logprob_batch_size": 2,
+        "max_total_sequence_length": 64,
+        "generation": {"max_new_tokens": 6},
+        "megatron_cfg": {"enabled": True, "tensor_model_parallel_size": 1},
+    }
+    with Policy(nemo_rl_policy, num_workers=2) as policy:
         lp = policy.get_logprobs(data, timer=timer)["logprobs"]
         torch.testing.assert_close(lp, single["logprobs"], atol=1e-5, rtol=0)
         ref = policy.get_reference_policy_logprobs(data, timer=timer)["reference_logprobs"]

@@ -17,6 +17,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("model", "data"), 2),  # side by side: neither imports the other
     "parallel": 1,
     **dict.fromkeys(("config", "logs", "losses", "ops", "memory", "compat"), 0),  # nothing of ours
+    "schema": -1,  # the basement: config dataclasses from mappings, for config and losses
 }
 APART = {0, 2}  # layers whose parts must not import each other
 

@@ -18,6 +18,8 @@ from policyworker.losses import (
     DistillationLoss,
     DPOConfig,
     DPOLoss,
+    FullDistillationConfig,
+    FullDistillationLoss,
     LossInputs,
     NLLLoss,
     masked_mean,
@@ -577,3 +579,55 @@ def test_kl_in_reward_leaves_the_kl_out_of_the_loss():
     loss, _, m = _run(loss_fn, _data(), BASE["next_token_logprobs"])
     assert float(loss) == pytest.approx(CASES["ppo_token"]["loss"], rel=1e-12)
     assert float(m["kl_penalty"]) == 0.0
+
+
+_NUMBER_SETTINGS = [
+    (ClippedPGConfig, "ratio_clip_min"),
+    (ClippedPGConfig, "ratio_clip_max"),
+    (ClippedPGConfig, "ratio_clip_c"),
+    (ClippedPGConfig, "reference_policy_kl_penalty"),
+    (ClippedPGConfig, "kl_input_clamp_value"),
+    (ClippedPGConfig, "kl_output_clamp_value"),
+    (ClippedPGConfig, "positive_example_nll_weight"),
+    (ClippedPGConfig, "seq_logprob_error_threshold"),
+    (DPOConfig, "reference_policy_kl_penalty"),
+    (DPOConfig, "preference_loss_weight"),
+    (DPOConfig, "sft_loss_weight"),
+    (DistillationConfig, "mixed_kl_weight"),
+    (FullDistillationConfig, "kl_coef"),
+]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("cls,name", _NUMBER_SETTINGS)
+def test_non_finite_loss_settings_are_refused_at_construction(cls, name, value):
+    """A NaN compares false with every bound, so it passed the range checks and trained on
+    another objective (loss NaN, a finite grad norm, every tensor changed)."""
+    with pytest.raises(ValueError, match=f"{name}: expected a finite number"):
+        cls(**{name: value})
+
+
+def test_losses_take_the_references_dict_configs():
+    """NeMo-RL's loss configs are dicts (TypedDicts) of the same keys: taken with the checks and
+    messages of the dataclass path."""
+    reference = {
+        "reference_policy_kl_penalty": 0.1,
+        "ratio_clip_min": 0.2,
+        "ratio_clip_max": 0.28,
+        "ratio_clip_c": None,
+        "use_on_policy_kl_approximation": False,
+        "use_importance_sampling_correction": False,
+        "token_level_loss": True,
+    }
+    assert ClippedPGLoss(reference).cfg == ClippedPGConfig(**reference)
+    assert DPOLoss({"sft_loss_weight": 1}).cfg == DPOConfig(sft_loss_weight=1.0)
+    assert DistillationLoss({"kl_type": "forward"}).cfg.kl_type == "forward"
+    assert FullDistillationLoss({"kl_coef": 2}).cfg.kl_coef == 2.0
+    with pytest.raises(ValueError, match="ratio_clip_min: expected a finite number"):
+        ClippedPGLoss({"ratio_clip_min": float("nan")})
+    with pytest.raises(ValueError, match="ratio_clip: unknown field"):
+        ClippedPGLoss({"ratio_clip": 0.2})
+    with pytest.raises(ValueError, match="ratio_clip_max: expected a number"):
+        ClippedPGLoss({"ratio_clip_max": "wide"})
+    with pytest.raises(ValueError, match="cfg: expected a ClippedPGConfig or a mapping"):
+        ClippedPGLoss(3)  # type: ignore[arg-type]

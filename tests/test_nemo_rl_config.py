@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from policyworker.config import PolicyConfig, load_config
+from policyworker.config import PolicyConfig, as_policy_config, load_config
 
 DATA = Path(__file__).parent / "data" / "nemo_rl"
 MEGATRON = [
@@ -129,3 +129,33 @@ def test_every_mapped_key_is_in_the_docs_table():
     table = (Path(__file__).parent.parent / "docs" / "nemo-rl-config.md").read_text()
     for theirs, ours in MAPPED.items():
         assert f"| `{theirs}` | `{ours}` |" in table, theirs
+
+
+def test_a_policy_dict_is_read_as_its_yaml_is(tmp_path):
+    """NeMo-RL passes its policy config as a dict: `as_policy_config` (what `Policy` and the
+    worker call on a mapping) reads it as `load_config` reads the same YAML, leaves the caller's
+    dict as it was, and refuses what the YAML path refuses, with the same messages."""
+    section = {
+        "model_name": "/ckpt",
+        "precision": "float32",
+        "max_grad_norm": 0.5,
+        "generation": {"temperature": 0.7, "max_new_tokens": 9},
+        "megatron_cfg": {
+            "enabled": True,
+            "tensor_model_parallel_size": 2,
+            "optimizer": {"lr": 3e-6, "clip_grad": "${policy.max_grad_norm}"},
+        },
+    }
+    given = yaml.safe_load(yaml.safe_dump(section))
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(section))
+    assert as_policy_config(given) == load_config(path)
+    assert given == section  # not resolved or mapped in place
+    ours = {"model_name": "/ckpt", "parallel": {"tensor_model_parallel_size": 2}}
+    assert as_policy_config(ours).parallel.tensor_model_parallel_size == 2
+    with pytest.raises(ValueError, match=r"no equivalent here .*as_policy_config\(config, "):
+        as_policy_config({**section, "megatron_cfg": {"enabled": True, "bogus": 1}})
+    with pytest.raises(ValueError, match="paralel: unknown field"):
+        as_policy_config({"model_name": "/ckpt", "paralel": {}})
+    with pytest.raises(ValueError, match="config: expected a PolicyConfig or a mapping"):
+        as_policy_config(["model_name"])  # type: ignore[arg-type]

@@ -101,10 +101,20 @@ class _NaNLoss(NLLLoss):
         return loss * float("nan"), metrics
 
 
+class _NaNValueLoss(NLLLoss):
+    """A NaN loss whose gradients are finite (the NaN comes from a term without gradient)."""
+
+    def __call__(self, inputs, data, counts):
+        loss, metrics = super().__call__(inputs, data, counts)
+        return loss + torch.tensor(float("nan")), metrics
+
+
+@pytest.mark.parametrize("bad", [_NaNLoss, _NaNValueLoss], ids=["nan-gradient", "nan-loss"])
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_non_finite_gradient_skips_the_step(llama_dir, precision):
+def test_non_finite_gradient_or_loss_skips_the_step(llama_dir, precision, bad):
     """The skip happens on the device (fused AdamW's found_inf): weights, fp32 masters, Adam's
-    moments and step counts stay bitwise as they were, after a step that did apply."""
+    moments and step counts stay bitwise as they were, after a step that did apply. A NaN loss
+    with finite gradients is skipped alike."""
     from policyworker.train.optimizer import optimizer_tensors
 
     worker = make_worker(llama_dir, optimizer=OptimizerConfig(lr=1e-2), precision=precision)
@@ -112,7 +122,7 @@ def test_non_finite_gradient_skips_the_step(llama_dir, precision):
     assert worker.train(data, NLLLoss())["skipped_steps"] == 0
     before = _params(worker)
     state = [t.clone() for t in optimizer_tensors(worker.state.optimizer)]
-    metrics = worker.train(data, _NaNLoss())
+    metrics = worker.train(data, bad())
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
     assert all(torch.equal(before[n], p) for n, p in _params(worker).items())
     after = list(optimizer_tensors(worker.state.optimizer))

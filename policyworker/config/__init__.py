@@ -8,6 +8,7 @@ Invalid values raise `ValueError` naming the field (dotted path) and what was ex
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,6 +207,28 @@ def load_config[T](
     if cls is PolicyConfig and nemo_rl.is_nemo_rl(data):
         data = nemo_rl.policy_dict(data, ignore_unsupported=ignore_unsupported)
     return from_dict(cls, data)
+
+
+def as_policy_config(
+    config: PolicyConfig | Mapping[str, Any], *, ignore_unsupported: bool = False
+) -> PolicyConfig:
+    """A policy config as a caller gives it: a `PolicyConfig`, or a mapping — NeMo-RL's policy
+    dict (its keys and nesting, `megatron_cfg` inside: NeMo-RL passes its configs as dicts) or
+    our own fields — read and checked as `load_config` reads the same YAML (the caller's
+    mapping is not changed)."""
+    from policyworker.config import nemo_rl
+
+    if isinstance(config, PolicyConfig):
+        return config
+    _check(isinstance(config, Mapping), "config", "a PolicyConfig or a mapping", config)
+    data = copy.deepcopy(dict(config))
+    if nemo_rl.is_nemo_rl(data):
+        data, unsupported = nemo_rl.policy_fields(data)
+        switch = "as_policy_config(config, ignore_unsupported=True)"
+        nemo_rl.report_unsupported(
+            unsupported, ignore_unsupported=ignore_unsupported, switch=switch
+        )
+    return from_dict(PolicyConfig, data)
 
 
 def teacher_path(config: Any) -> str:

@@ -19,12 +19,12 @@ import inspect
 import logging
 import os
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from policyworker.config import PolicyConfig, finite
+from policyworker.config import PolicyConfig, as_policy_config, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import ROUTES, ROW_IDS, check_row_ids, validate_batch
 from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
@@ -104,7 +104,7 @@ class Policy:
 
     def __init__(
         self,
-        config: PolicyConfig,
+        config: PolicyConfig | Mapping[str, Any],
         num_workers: int = 1,
         *,
         backend: str = "local",
@@ -121,6 +121,7 @@ class Policy:
         env: dict[str, str] | None = None,
     ) -> None:
         self._closed = True  # until the group is up: shutdown() has nothing to stop
+        config = as_policy_config(config)  # NeMo-RL passes its configs as dicts
         if backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
         for name, value in (

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import torch
 
 from policyworker.losses.common import Loss, LossInputs, LossNeeds, TokenView, masked_mean
+from policyworker.schema import build, refuse_non_finite
 
 TruncationType = Literal["tis", "icepop", "seq-mask-tis"]
 
@@ -94,6 +95,7 @@ def _validate(c: ClippedPGConfig) -> None:
         if bad:
             raise ValueError(message)
 
+    refuse_non_finite(c)
     for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
         refuse(getattr(c, name) < 0, f"{name}: expected >= 0, got {getattr(c, name)}")
     refuse(
@@ -242,8 +244,8 @@ def _ratio_metrics(
 class ClippedPGLoss(Loss):
     """PPO/GRPO-family loss; see the module docstring and `ClippedPGConfig`."""
 
-    def __init__(self, cfg: ClippedPGConfig | None = None) -> None:
-        self.cfg = cfg = cfg or ClippedPGConfig()
+    def __init__(self, cfg: ClippedPGConfig | Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg = build(ClippedPGConfig, cfg)
         self.needs = LossNeeds(logprobs=True, entropy=True)
         keys = ["token_mask", "sample_mask", "advantages", "generation_logprobs"]
         if not cfg.force_on_policy_ratio or cfg.seq_logprob_error_threshold is not None:

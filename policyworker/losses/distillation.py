@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from policyworker.losses.common import Loss, LossInputs, LossNeeds, TokenView, masked_mean
+from policyworker.schema import build, refuse_non_finite
 
 LOG_INFINITESIMAL = -100.0
 """The teacher's log-probability outside its top-k with `zero_outside_topk` (as the reference)."""
@@ -44,6 +45,7 @@ class DistillationConfig:
     """Keep the student's full-vocabulary probabilities (and its mass outside the top-k)."""
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         if self.kl_type not in ("forward", "reverse", "mixed"):
             raise ValueError(f"kl_type: expected forward/reverse/mixed, got {self.kl_type!r}")
         if not 0 <= self.mixed_kl_weight <= 1:
@@ -55,8 +57,8 @@ class DistillationLoss(Loss):
 
     required_keys = ("token_mask", "sample_mask", "teacher_topk_logits", "teacher_topk_indices")
 
-    def __init__(self, cfg: DistillationConfig | None = None) -> None:
-        self.cfg = cfg = cfg or DistillationConfig()
+    def __init__(self, cfg: DistillationConfig | Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg = build(DistillationConfig, cfg)
         self.outside_mass = cfg.zero_outside_topk and cfg.kl_type != "forward"
         self.needs = LossNeeds(
             logprobs=False, entropy=self.outside_mass, index_key="teacher_topk_indices"
@@ -127,8 +129,8 @@ class FullDistillationLoss(Loss):
 
     required_keys = ("token_mask", "sample_mask", "teacher_full_payload")
 
-    def __init__(self, cfg: FullDistillationConfig | None = None) -> None:
-        self.cfg = cfg = cfg or FullDistillationConfig()
+    def __init__(self, cfg: FullDistillationConfig | Mapping[str, Any] | None = None) -> None:
+        self.cfg = cfg = build(FullDistillationConfig, cfg)
         self.needs = LossNeeds(logprobs=False, teacher_payload=cfg.payload)
 
     def __call__(

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from policyworker.losses.common import Loss, LossInputs, TokenView, masked_mean
+from policyworker.schema import build, refuse_non_finite
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -40,6 +42,7 @@ class DPOConfig:
     """Average the chosen row's NLL over its tokens instead of summing."""
 
     def __post_init__(self) -> None:
+        refuse_non_finite(self)
         for name in ("reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
@@ -51,8 +54,8 @@ class DPOLoss(Loss):
     required_keys = ("token_mask", "sample_mask", "reference_policy_logprobs")
     rows_per_example = 2
 
-    def __init__(self, cfg: DPOConfig | None = None) -> None:
-        self.cfg = cfg or DPOConfig()
+    def __init__(self, cfg: DPOConfig | Mapping[str, Any] | None = None) -> None:
+        self.cfg = build(DPOConfig, cfg)
 
     @property
     def normalizer(self) -> str | None:

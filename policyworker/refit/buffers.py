@@ -1,8 +1,11 @@
 """Transfer buffers another process can map: a CUDA IPC handle on GPU, a shared memory file on CPU.
 
-The two kinds are one protocol: the sender describes a buffer with `handle()` (a small picklable
-dict) and the receiver maps it with `MappedBuffer(handle)`; both sides then see the same bytes. On
-CPU this lets CI run the exact protocol that a colocated GPU refit runs.
+The two kinds are one protocol: the sender describes a buffer with `handle()` (a small dict of
+JSON values: ints, strings, hex bytes — never a pickle) and the receiver maps it with
+`MappedBuffer(handle)`; both sides then see the same bytes. On CPU this lets CI run the exact
+protocol that a colocated GPU refit runs. A receiver maps only a shared-memory file of ours
+(this module's folder and prefix), and rebuilds a CUDA handle as a uint8 tensor whatever the
+handle says.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import shutil
 import tempfile
 import uuid
 import weakref
@@ -30,9 +34,9 @@ class SharedBuffer:
         self._path: str | None = None
         if device.type == "cuda":
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self._handle: dict[str, Any] = {"kind": "cuda", "args": reduce_tensor(self.tensor)[1]}
+            self._handle: dict[str, Any] = _cuda_handle(self.tensor)
         else:  # a file in shared memory, mapped by both sides
-            self._path = os.path.join(_SHM_DIR, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
+            self._path = os.path.join(_SHM_DIR, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
             _allocate(self._path, nbytes)
             self.tensor = _map(self._path, nbytes)
             self._handle = {"kind": "shm", "path": self._path}
@@ -47,7 +51,7 @@ class SharedBuffer:
         receiver's staging, shared every refit) needs a fresh one: each IPC share is counted."""
         if self._path is not None:
             return self._handle
-        return {"kind": "cuda", "args": reduce_tensor(self.tensor)[1], "nbytes": self.nbytes}
+        return _cuda_handle(self.tensor) | {"nbytes": self.nbytes}
 
     def close(self) -> None:
         """Free the buffer (idempotent)."""
@@ -63,17 +67,84 @@ class MappedBuffer:
     """The receiver's view of a `SharedBuffer`."""
 
     def __init__(self, handle: dict[str, Any]) -> None:
-        if handle["kind"] == "cuda":
-            self.tensor = rebuild_cuda_tensor(*handle["args"])
-        else:
-            self.tensor = _map(handle["path"], handle["nbytes"])
+        """Raises `RefitError` for a handle that is not one of a `SharedBuffer`'s."""
+        try:
+            kind, nbytes = handle["kind"], handle["nbytes"]
+            if not isinstance(nbytes, int) or nbytes < 0:
+                raise ValueError(f"nbytes {nbytes!r}")
+            if kind == "cuda":
+                self.tensor = _rebuild_cuda(handle)
+            elif kind == "shm":
+                self.tensor = _map(_our_file(handle["path"]), nbytes)
+            else:
+                raise ValueError(f"kind {kind!r}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise RefitError(f"refit: not a shared buffer's handle ({e!r})") from None
 
     def close(self) -> None:
         del self.tensor
 
 
 _SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_PREFIX = "policyworker-refit-"
+PREFIX = "policyworker-refit-"
+
+
+def _our_file(path: object) -> str:
+    """`path` if it names one of our buffer files (no other file is ever mapped)."""
+    if not isinstance(path, str) or os.path.dirname(path) != _SHM_DIR:
+        raise ValueError(f"path {path!r} is not in {_SHM_DIR}")
+    if not os.path.basename(path).startswith(PREFIX):
+        raise ValueError(f"path {path!r} is not a refit buffer")
+    return path
+
+
+def _cuda_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """A CUDA IPC handle of `tensor` (uint8, 1-D) as JSON values: torch's own sharing
+    (`reduce_tensor`) with its classes and dtype left out (the receiver knows them) and its
+    byte strings as hex."""
+    _, size, stride, offset, _, _, device, *rest = reduce_tensor(tensor)[1]
+    handle, storage_bytes, storage_offset, _, counter, counter_offset, event, event_sync = rest
+    return {
+        "kind": "cuda",
+        "size": list(size),
+        "stride": list(stride),
+        "offset": offset,
+        "device": device,
+        "ipc": [_hex(handle), storage_bytes, storage_offset],
+        "counter": [_hex(counter), counter_offset],
+        "event": [_hex(event), event_sync],
+        "nbytes": tensor.numel(),
+    }
+
+
+def _rebuild_cuda(h: dict[str, Any]) -> torch.Tensor:
+    (handle, storage_bytes, storage_offset), (counter, counter_offset) = h["ipc"], h["counter"]
+    event, event_sync = h["event"]
+    return rebuild_cuda_tensor(
+        torch.Tensor,
+        tuple(h["size"]),
+        tuple(h["stride"]),
+        int(h["offset"]),
+        torch.storage.TypedStorage,
+        torch.uint8,
+        int(h["device"]),
+        _bytes(handle),
+        int(storage_bytes),
+        int(storage_offset),
+        False,
+        _bytes(counter),
+        int(counter_offset),
+        _bytes(event),
+        bool(event_sync),
+    )
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()
+
+
+def _bytes(value: str | None) -> bytes | None:
+    return None if value is None else bytes.fromhex(value)
 
 
 def _unlink(path: str) -> None:
@@ -83,19 +154,24 @@ def _unlink(path: str) -> None:
 
 def remove_leftovers(pid: int) -> None:
     """Remove the CPU buffers of process `pid`, which died without cleaning up (killed)."""
-    for path in glob.glob(os.path.join(_SHM_DIR, f"{_PREFIX}{pid}-*")):
+    for path in glob.glob(os.path.join(_SHM_DIR, f"{PREFIX}{pid}-*")):
         _unlink(path)
 
 
 def sweep_dead() -> None:
-    """Remove the shared buffers and IPC socket files that processes which no longer exist
-    left behind (killed mid-refit: nothing of theirs could clean up)."""
-    paths = glob.glob(os.path.join(_SHM_DIR, f"{_PREFIX}*-*"))
-    paths += glob.glob(os.path.join(tempfile.gettempdir(), f"{_PREFIX}*-*.sock"))
+    """Remove the shared buffers and IPC endpoint folders that processes which no longer exist
+    left behind (killed mid-refit: nothing of theirs could clean up); another user's stay."""
+    paths = {*glob.glob(os.path.join(_SHM_DIR, f"{PREFIX}*-*"))}
+    paths |= {*glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-*"))}
     for path in paths:
-        pid = os.path.basename(path)[len(_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            _unlink(path)
+        pid = os.path.basename(path)[len(PREFIX) :].split("-")[0]
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if not pid.isdigit() or _alive(int(pid)) or os.lstat(path).st_uid != os.getuid():
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink(path)
 
 
 def _alive(pid: int) -> bool:

@@ -16,12 +16,24 @@ The receiver (REP, connects) verifies each bucket (`receiver.Staging`) and on "c
 that every name arrived once and applies the refit. Every wait has a deadline; an error on either
 side is answered to the other (when it is still there) and raised as `RefitError`. The messages
 are in docs/refit.md.
+
+Nothing off the socket is unpickled: messages are JSON (a buffer's handle too). The trainer's
+endpoint lives in a folder of its own (`private_endpoint`: made with `mkdtemp`, mode 0700, one
+per process), so no other user can reach, bind or replace it; the trainer refuses to bind a path
+that exists, makes its socket 0600 and, where the OS offers it, accepts only peers of its own uid
+(ZMQ's SO_PEERCRED filter); the receiver connects only to an endpoint in a folder that is its
+user's and closed to everyone else.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
+import shutil
+import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +42,7 @@ from typing import Any
 import torch
 import zmq
 
-from policyworker.refit.buffers import MappedBuffer, SharedBuffer
+from policyworker.refit.buffers import PREFIX, MappedBuffer, SharedBuffer
 from policyworker.refit.layout import (
     Bucket,
     Layout,
@@ -43,6 +55,48 @@ from policyworker.refit.layout import (
     slot_headers,
 )
 from policyworker.refit.receiver import Staging
+
+_PRIVATE: list[str] = []  # this process's endpoint folder, made at its first endpoint
+
+
+def private_endpoint(name: str) -> str:
+    """An `ipc://` endpoint named `name` in this process's private folder (0700, made once with
+    `mkdtemp`; named after the pid, so `buffers.sweep_dead` removes a dead process's)."""
+    if not _PRIVATE:
+        _PRIVATE.append(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
+        atexit.register(shutil.rmtree, _PRIVATE[0], ignore_errors=True)
+    return f"ipc://{os.path.join(_PRIVATE[0], name)}"
+
+
+def check_private(address: str) -> None:
+    """Refuse (`RefitError`) an `ipc://` endpoint whose folder is not this user's alone: another
+    user could have bound it, or could connect to it."""
+    if not address.startswith("ipc://"):
+        return
+    folder = os.path.dirname(os.path.abspath(address[len("ipc://") :]))
+    try:
+        st = os.stat(folder)
+    except OSError as e:
+        raise RefitError(f"refit: the endpoint's folder {folder} is not there ({e})") from None
+    if st.st_uid != os.getuid() or st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise RefitError(
+            f"refit: refusing the endpoint {address}: its folder must be this user's and closed "
+            f"to others (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); use "
+            "`private_endpoint`"
+        )
+
+
+def _bind(sock: zmq.Socket, address: str) -> None:
+    """Bind the trainer's end: never over an existing path, only for this user's processes."""
+    check_private(address)
+    path = address[len("ipc://") :] if address.startswith("ipc://") else None
+    if path is not None and os.path.lexists(path):
+        raise RefitError(f"refit: {path} exists; refusing to bind over it (another refit's?)")
+    with contextlib.suppress(AttributeError, zmq.ZMQError):  # SO_PEERCRED, where there is one
+        sock.setsockopt(zmq.IPC_FILTER_UID, os.getuid())
+    sock.bind(address)
+    if path is not None:
+        os.chmod(path, 0o600)
 
 
 def remove_socket_file(address: str) -> None:
@@ -65,7 +119,7 @@ def _socket(kind: int, timeout_s: float) -> zmq.Socket:
 def _request(sock: zmq.Socket, message: dict[str, Any], what: str, peer: str) -> dict[str, Any]:
     """Send and wait for the answer; a silent or refusing receiver is a `RefitError`."""
     try:
-        sock.send_pyobj(message)
+        sock.send_json(message)
     except zmq.Again:
         raise _timeout(peer, what) from None
     return _answer(sock, what, peer)
@@ -74,12 +128,23 @@ def _request(sock: zmq.Socket, message: dict[str, Any], what: str, peer: str) ->
 def _answer(sock: zmq.Socket, what: str, peer: str) -> dict[str, Any]:
     """The receiver's answer to `what`, which must be ok."""
     try:
-        reply = sock.recv_pyobj()
+        reply = _json(sock.recv())
     except zmq.Again:
         raise _timeout(peer, what) from None
-    if not reply.get("ok"):
+    if reply.get("ok") is not True:
         raise RefitError(f"refit: the receiver at {peer} refused {what}: {reply.get('error')}")
     return reply
+
+
+def _json(frame: bytes) -> dict[str, Any]:
+    """A message: a JSON object, else `RefitError`."""
+    try:
+        message = json.loads(frame)
+    except (UnicodeDecodeError, ValueError):
+        message = None
+    if not isinstance(message, dict):
+        raise RefitError(f"refit: a message that is not a JSON object ({len(frame)} bytes)")
+    return message
 
 
 def _timeout(peer: str, what: str) -> RefitError:
@@ -145,7 +210,11 @@ def send_ipc(
     start = time.perf_counter()
     address = link.address
     sock = _socket(zmq.REQ, timeout_s)
-    sock.bind(address)
+    try:
+        _bind(sock, address)
+    except BaseException:
+        sock.close()
+        raise
     try:
         begin = {
             "type": "begin",
@@ -230,7 +299,7 @@ def _post(sock: zmq.Socket, header: dict[str, Any], peer: str) -> None:
     """Send a bucket's header; its ack is received later (`_ack`), after the next bucket is
     packed, so that packing and the receiver's staging overlap."""
     try:
-        sock.send_pyobj(header)
+        sock.send_json(header)
     except zmq.Again:
         raise RefitError(  # a REQ socket cannot send while its peer is gone
             f"refit: the receiver at {peer} did not answer bucket {header['index']} in time "
@@ -263,6 +332,7 @@ def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
     Raises `RefitError` (after answering the sender, if it is there) on a timeout, a mismatch or
     a failed checksum; the live weights then stay at the previous version.
     """
+    check_private(address)
     sock = _socket(zmq.REP, timeout_s)
     # The receiver usually connects before the trainer binds; ZMQ then retries the connection
     # every RECONNECT_IVL (100 ms by default), which was most of a refit's time. Retry each ms.
@@ -271,33 +341,51 @@ def receive_ipc(staging: Staging, *, address: str, timeout_s: float) -> int:
     mapped: dict[str, MappedBuffer] = {}
     try:
         while True:
-            message = _receive(sock, address, staging.version)
             try:
-                if message["type"] == "begin":
-                    staging.begin(message["version"], message["slots"])
-                    sock.send_pyobj({"ok": True, "staging": staging.share()})
-                elif message["type"] == "bucket":  # through the trainer's buffers
-                    buf = _mapped(mapped, message["buffer"])
-                    staging.stage(message, buf.tensor)
-                    sock.send_pyobj({"ok": True})
-                else:  # "complete": the headers of buckets written into our staging, if any
-                    for header in message["buckets"]:
-                        staging.verify_in_place(header)
-                    staging.commit(message["version"])
-                    sock.send_pyobj({"ok": True, "version": message["version"]})
-                    return message["version"]
+                message = _receive(sock, address, staging.version)
+                version = _step(staging, message, mapped, sock)
             except RefitError as e:
-                sock.send_pyobj({"ok": False, "error": str(e)})
+                with contextlib.suppress(zmq.ZMQError):  # a REP socket answers what it received
+                    sock.send_json({"ok": False, "error": str(e)})
                 raise
+            if version is not None:
+                return version
     finally:
         for buf in mapped.values():
             buf.close()
         sock.close()
 
 
+def _step(
+    staging: Staging, message: dict[str, Any], mapped: dict[str, MappedBuffer], sock: zmq.Socket
+) -> int | None:
+    """Handle one message (answered when handled); the version applied by "complete". A
+    malformed message is a `RefitError`."""
+    try:
+        kind = message["type"]
+        if kind == "begin":
+            staging.begin(message["version"], message["slots"])
+            sock.send_json({"ok": True, "staging": staging.share()})
+        elif kind == "bucket":  # through the trainer's buffers
+            buf = _mapped(mapped, message["buffer"])
+            staging.stage(message, buf.tensor)
+            sock.send_json({"ok": True})
+        elif kind == "complete":  # the headers of buckets written into our staging, if any
+            for header in message["buckets"]:
+                staging.verify_in_place(header)
+            staging.commit(message["version"])
+            sock.send_json({"ok": True, "version": message["version"]})
+            return message["version"]
+        else:
+            raise RefitError(f"refit: a message of unknown type {kind!r}")
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
+        raise RefitError(f"refit: a malformed message ({type(e).__name__}: {e})") from None
+    return None
+
+
 def _receive(sock: zmq.Socket, peer: str, version: int | None) -> dict[str, Any]:
     try:
-        return sock.recv_pyobj()
+        return _json(sock.recv())
     except zmq.Again:
         raise RefitError(
             f"refit: no message from the trainer at {peer} in time (timeout); the live weights "
@@ -307,7 +395,7 @@ def _receive(sock: zmq.Socket, peer: str, version: int | None) -> dict[str, Any]
 
 def _mapped(cache: dict[str, MappedBuffer], handle: dict[str, Any]) -> MappedBuffer:
     """Map each distinct buffer once per refit (the two ping-pong buffers come back often)."""
-    key = repr(handle.get("path") or handle.get("args"))
+    key = repr(handle.get("path") or handle.get("ipc"))
     if key not in cache:
         cache[key] = MappedBuffer(handle)
     return cache[key]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,7 +16,7 @@ from policyworker.refit.buffers import sweep_dead
 from policyworker.refit.collective import broadcast_refit
 from policyworker.refit.export import model_tensors, owners, refit_info
 from policyworker.refit.group import join_refit_group
-from policyworker.refit.ipc import IpcLink, remove_socket_file, send_ipc
+from policyworker.refit.ipc import IpcLink, private_endpoint, remove_socket_file, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo, RefitReport
 from policyworker.refit.prequantize import check_prequantize, prequantized, prequantized_info
 from policyworker.refit.reshard import Member, ReshardGroup, report
@@ -70,8 +68,7 @@ class RefitSource:
         self._reshard: ReshardGroup | None = None
         self._staging: dict[str, torch.Tensor] | None = None  # a destination's, made once
         self._layout: Layout | None = None  # the last one cut (the size rarely changes)
-        sock = f"policyworker-refit-{os.getpid()}-{dist.get_rank()}.sock"
-        self.address = f"ipc://{os.path.join(tempfile.gettempdir(), sock)}"
+        self.address = private_endpoint(f"rank{dist.get_rank()}.sock")
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
         self.link = IpcLink(self.address)  # the receiver's staging areas, kept mapped
         sweep_dead()

@@ -131,7 +131,7 @@ def add_chunk(
         inputs = loss_inputs(head, mb, loss_fn.needs, logits, teachers)
         loss, _ = loss_fn(inputs, mb.data, counts)
         records.append((_detached(inputs), mb.data))
-        return loss, {}
+        return _vetoed(loss, head.hidden), {}
 
     microbatches = split_evenly(batch, plan, step.spec.mbs, loss_fn.rows_per_example, groups)
     set_mode(ddp, training=True)
@@ -143,6 +143,19 @@ def add_chunk(
     step.rows += batch.size
     step.num_microbatches += len(microbatches)
     step.records += records
+
+
+def _vetoed(loss: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """`loss`, whose backward makes the gradients NaN when its value is not finite, so that the
+    step is skipped on every rank like one with non-finite gradients (the NaN reaches every
+    rank's grad norm through the DP reduce and the norm's all-reduce). A loss can be NaN with
+    finite gradients (a NaN from a term without gradient): stepping would train on another
+    objective. Adds 0 * one element of the model's output [s, b, h] when the loss is finite:
+    the value and the gradients are then exactly as without it. No host sync."""
+    if not hidden.requires_grad:  # a forward without backward (eval mode): nothing to skip
+        return loss
+    veto = torch.where(torch.isfinite(loss.detach()), 0.0, float("nan"))
+    return loss + veto * hidden.reshape(-1)[0]
 
 
 def finish_step(
