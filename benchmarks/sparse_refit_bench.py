@@ -20,6 +20,7 @@ Prints one JSON line per (model, lr, receivers).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ def bench(size: str, lr: float, steps: int, receivers: int) -> dict[str, object]
     from policyworker import MegatronPolicyWorker, NLLLoss, PolicyConfig
     from policyworker.config import OptimizerConfig
     from policyworker.generation.process import GenerationProcess, tensor_sums
+    from policyworker.refit.sparse import KEY_ENV, fresh_key_env
 
     layers, hidden, vocab = SIZES[size]
     folder, _, n_params = random_model(layers, hidden, vocab)
@@ -72,16 +74,17 @@ def bench(size: str, lr: float, steps: int, receivers: int) -> dict[str, object]
     exact = True
     engines = [GenerationProcess(str(folder), info, timeout_s=600) for _ in range(receivers)]
     try:
-        targets = [e.bind_sparse() for e in engines]
+        os.environ.update(fresh_key_env())  # the run's key: every message is signed
+        targets = [e.bind_sparse(api_key=os.environ[KEY_ENV]) for e in engines]
         for step in range(steps):
             ids = torch.randint(0, vocab, (4, 512), generator=g)
             worker.train(full_rows(ids), NLLLoss())
             export_s, encode_s, _ = trainer_seconds(worker, baseline)
             for e in engines:
-                e.begin_refit_sparse(f"s{step}", 1)
+                e.begin_refit_sparse(f"s{step}", 1, tree=targets)
             t = time.perf_counter()
             stats = worker.stream_remote_sparse_weights(
-                "zmq", targets, transfer_id=f"s{step}", api_key_env_var=None, timeout_s=600,
+                "zmq", targets, transfer_id=f"s{step}", api_key_env_var=KEY_ENV, timeout_s=600,
                 shard_rank=0, shard_count=1, overwrite_names=[],
             )  # fmt: skip
             versions = {e.end_refit() for e in engines}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from megatron.core import tensor_parallel
 
-from policyworker.checkpoint.checkpointer import Checkpointer, Trainee
+from policyworker.checkpoint.checkpointer import Checkpointer, Trainee, finalize_unfinished
 from policyworker.compat import finalize
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
@@ -362,4 +362,9 @@ def shutdown_at_exit(worker: Any) -> None:
 
 @functools.cache
 def _register_shutdown_hook() -> None:
-    atexit.register(lambda: [w.shutdown() for w in list(_LIVE)])
+    def shutdown_all() -> None:
+        for worker in list(_LIVE):
+            worker.shutdown()
+        finalize_unfinished()  # the saves of workers collected before exit
+
+    atexit.register(shutdown_all)

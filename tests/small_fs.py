@@ -33,8 +33,11 @@ def main() -> None:
     model, small, roomy = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
     worker = make_worker(model)
     out: dict[str, object] = {}
-    out["sync"] = attempt(lambda: worker.save_checkpoint(small / "w1", small / "o1"))
+    # into folders the save makes: a failed save removes them again
+    out["sync"] = attempt(lambda: worker.save_checkpoint(small / "a" / "w1", small / "a" / "o1"))
     out["after_sync"] = os.listdir(small)
+    out["hf"] = attempt(lambda: worker.save_hf_pretrained(small / "b" / "hf"))
+    out["after_hf"] = os.listdir(small)
 
     def async_save() -> None:
         worker.save_checkpoint(small / "w2", small / "o2", async_save=True)

@@ -17,6 +17,7 @@ from helpers import make_batch
 from policyworker.config import OptimizerConfig, PolicyConfig
 from policyworker.losses import NLLLoss
 from policyworker.refit import sparse_link
+from policyworker.refit.sparse import KEY_ENV
 from policyworker.worker import MegatronPolicyWorker
 
 
@@ -41,7 +42,7 @@ def main() -> None:
 
     sparse_link.Link.call = call_then_hang  # type: ignore[method-assign]
     worker.stream_remote_sparse_weights(
-        "zmq", targets, transfer_id="killed", api_key_env_var=None, timeout_s=30.0,
+        "zmq", targets, transfer_id="killed", api_key_env_var=KEY_ENV, timeout_s=30.0,
         shard_rank=0, shard_count=1, overwrite_names=[],
     )  # fmt: skip
 

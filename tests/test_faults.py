@@ -40,8 +40,9 @@ def _can_mount() -> bool:
 
 @pytest.mark.skipif(not _can_mount(), reason="needs root for a private mount namespace")
 def test_full_disk_and_small_shared_memory_fail_cleanly(llama_dir, tmp_path):
-    """A save into a full file system: `CheckpointSaveError` naming the directory and "no
-    space", no temporary files left; a save elsewhere then works. A refit with too little
+    """A save into a full file system (and an HF export): `CheckpointSaveError` naming the
+    directory and "no space", no temporary files and no folder made for it left; a save
+    elsewhere then works. A refit with too little
     /dev/shm: `RefitError` naming /dev/shm and the bytes (no SIGBUS), on both IPC paths."""
     small, roomy = tmp_path / "small", tmp_path / "roomy"
     small.mkdir(), roomy.mkdir()
@@ -58,12 +59,11 @@ def test_full_disk_and_small_shared_memory_fail_cleanly(llama_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for case in ("sync", "async"):
+    for case in ("sync", "async", "hf"):
         assert out[case]["type"] == "CheckpointSaveError", out[case]
-        assert (
-            f"save to {small}" in out[case]["message"] and "no space left" in out[case]["message"]
-        )
-        assert out[f"after_{case}"] == []
+        message = out[case]["message"]
+        assert f"{small}" in message and "no space left" in message, out[case]
+        assert out[f"after_{case}"] == []  # nor the folders made for it
     assert out["roomy"]["type"] == "" and (roomy / "w" / "policyworker.json").is_file()
     for side in ("trainer_direct", "engine_direct", "trainer_buffers"):
         assert out[side]["type"] == "RefitError", out[side]
@@ -89,6 +89,10 @@ def test_refit_files_are_removed_and_dead_processes_files_swept(llama_dir):
     ]
     for path in leftovers:
         path.write_bytes(b"x")
+    folder = Path(tempfile.gettempdir()) / f"policyworker-refit-{dead}-x1y2z3"  # an endpoint's
+    folder.mkdir(mode=0o700)
+    (folder / "rank0.sock").write_bytes(b"")
+    leftovers.append(folder)
     worker = make_worker(llama_dir)
     assert not any(p.exists() for p in leftovers)
     info = worker.prepare_refit_info()
@@ -98,7 +102,10 @@ def test_refit_files_are_removed_and_dead_processes_files_swept(llama_dir):
             worker.stream_weights_via_ipc_zmq(buffer_size_bytes=8192)
             gen.end_refit()
     mine = f"policyworker-refit-{os.getpid()}-"
-    assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(mine)]
     assert not [f for f in os.listdir(buffers._SHM_DIR) if f.startswith(mine)]
+    endpoint = Path(worker.get_zmq_address().removeprefix("ipc://"))
+    assert not endpoint.exists() and endpoint.parent.is_dir()  # the private folder, in use
     worker.shutdown()
     worker.shutdown()  # idempotent
+    assert not endpoint.parent.exists()  # the last endpoint of this process released
+    assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(mine)]

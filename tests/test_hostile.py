@@ -205,3 +205,207 @@ def test_a_receiver_maps_only_our_shared_buffers(tmp_path):
     ):
         with pytest.raises(RefitError, match="not a shared buffer"):
             MappedBuffer(handle)
+
+
+# --- the sparse TCP receiver --------------------------------------------------------------------
+
+KEY = "this run's key"
+W = {"w": ((4, 32), torch.bfloat16)}
+
+
+def _sparse_receiver():
+    from policyworker.refit.sparse_receiver import SparseReceiver
+
+    live = {"w": torch.zeros(4, 32, dtype=torch.bfloat16)}
+    return SparseReceiver(live, W, api_key=KEY), live
+
+
+def _frames(kind: bytes, meta: dict, *rest: bytes, key: str | None = KEY) -> list[bytes]:
+    import json
+
+    from policyworker.refit.sparse_link import signed
+
+    frames = [kind, json.dumps(meta).encode(), *rest]
+    return frames if key is None else signed(key.encode(), frames)
+
+
+def _dealer(address: str):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _replies(sock, n: int) -> list[dict]:
+    import json
+
+    out = []
+    for _ in range(n):
+        assert sock.poll(5000), "no reply"
+        out.append(json.loads(sock.recv_multipart()[1]))
+    return out
+
+
+def _payload(value: float) -> tuple[bytes, int]:
+    from policyworker.refit.sparse_codec import delta, encode
+
+    base = torch.zeros(4, 32, dtype=torch.bfloat16)
+    return encode([delta("w", torch.full((4, 32), value, dtype=torch.bfloat16), base)])
+
+
+def test_unsigned_or_wrongly_signed_messages_change_nothing_and_abort_nothing():
+    """A stranger's DATA + DONE (no key, the wrong key, a key in the meta as before) during a
+    keyed transfer: each refused on its own; the trainer's own messages then complete it."""
+    receiver, live = _sparse_receiver()
+    zeros, crc0 = _payload(0.0)
+    good, crc = _payload(1.0)
+    meta = {"transfer": "t", "producer": 0, "payload": 0, "base_version": 0, "crc": crc0}
+    stranger, trainer = _dealer(receiver.address), _dealer(receiver.address)
+    done: list[int] = []
+    thread = threading.Thread(target=lambda: done.append(receiver.receive("t", 1, timeout_s=10)))
+    thread.start()
+    try:
+        for key in (None, "guessed"):
+            stranger.send_multipart(_frames(b"DATA", meta | {"key": KEY}, zeros, key=key))
+            stranger.send_multipart(_frames(b"DONE", meta | {"payloads": 1}, key=key))
+        stranger.send_multipart([b"DATA"])  # malformed: answered too
+        refusals = _replies(stranger, 5)  # each answered while the transfer goes on
+        assert all(not r["ok"] for r in refusals) and "not signed" in refusals[0]["error"]
+        assert not done and not live["w"].any()
+        trainer.send_multipart(_frames(b"DATA", meta | {"crc": crc}, good))
+        trainer.send_multipart(_frames(b"DONE", meta | {"payloads": 1}))
+        thread.join(10)
+        assert done == [1] and all(r["ok"] for r in _replies(trainer, 2))
+        assert torch.equal(live["w"], torch.ones(4, 32, dtype=torch.bfloat16))
+    finally:
+        stranger.close(linger=0)
+        trainer.close(linger=0)
+        receiver.close()
+
+
+def test_a_stray_message_never_breaks_the_next_transfers():
+    """A message that arrives while no transfer runs (a late trainer's, of transfer "old") is
+    refused when the next transfer starts, which completes; and the one after it too."""
+    receiver, _ = _sparse_receiver()
+    body, crc = _payload(2.0)
+    sock = _dealer(receiver.address)
+    try:
+        sock.send_multipart(_frames(b"DATA", {"transfer": "old", "producer": 0, "payload": 0,
+                                              "base_version": 0, "crc": crc}, body))  # fmt: skip
+        for version, transfer in ((1, "a"), (2, "b")):
+            meta = {"transfer": transfer, "producer": 0, "payload": 0,
+                    "base_version": version - 1, "crc": crc}  # fmt: skip
+            sock.send_multipart(_frames(b"DATA", meta, body))
+            sock.send_multipart(_frames(b"DONE", meta | {"payloads": 1}))
+            assert receiver.receive(transfer, 1, timeout_s=5) == version
+        replies = _replies(sock, 5)
+        assert not replies[0]["ok"] and "stale or foreign" in replies[0]["error"]
+        assert all(r["ok"] for r in replies[1:])
+    finally:
+        sock.close(linger=0)
+        receiver.close()
+
+
+@pytest.mark.parametrize(
+    "meta,match",
+    [
+        ({"producer": 5}, r"producer: expected an int in \[0, 1\)"),
+        ({"producer": -1}, "producer: expected"),
+        ({"base_version": 1e6, "full": True}, "base_version: expected an int"),
+        ({"full": "yes"}, "full: expected true or false"),
+        ({"payloads": -3}, "payloads: expected"),
+    ],
+)
+def test_signed_messages_out_of_range_end_the_transfer_with_nothing_applied(meta, match):
+    """A DONE from producer 5 of a 1-producer transfer completed it with nothing applied; a
+    full resync's base_version 1e6 jumped the engine to version 1000001."""
+    from policyworker.refit.layout import RefitError
+
+    receiver, live = _sparse_receiver()
+    sock = _dealer(receiver.address)
+    try:
+        base = {"transfer": "t", "producer": 0, "base_version": 0, "payloads": 0}
+        sock.send_multipart(_frames(b"DONE", base | meta))
+        with pytest.raises(RefitError, match=match):
+            receiver.receive("t", 1, timeout_s=5)
+        assert receiver.version == 0 and not live["w"].any()
+        assert not _replies(sock, 1)[0]["ok"]
+    finally:
+        sock.close(linger=0)
+        receiver.close()
+
+
+def test_the_relay_tree_is_the_receivers_own_not_the_messages():
+    """A signed message naming a tree of other hosts (or of this receiver twice) relays to no
+    one: the receiver relays only to the children of the tree it was started with."""
+    receiver, _ = _sparse_receiver()
+    body, crc = _payload(1.0)
+    meta = {"transfer": "t", "producer": 0, "payload": 0, "base_version": 0, "crc": crc,
+            "tree": [receiver.address, "tcp://10.255.255.1:9", receiver.address]}  # fmt: skip
+    sock = _dealer(receiver.address)
+    try:
+        sock.send_multipart(_frames(b"DATA", meta, body))
+        sock.send_multipart(_frames(b"DONE", meta | {"payloads": 1}))
+        assert receiver.receive("t", 1, timeout_s=5) == 1
+        assert receiver._children == {}
+        with pytest.raises(ValueError, match="tree"):
+            receiver.receive("u", 1, timeout_s=1, tree=["tcp://10.255.255.1:9"])
+    finally:
+        sock.close(linger=0)
+        receiver.close()
+
+
+def test_a_decompression_bomb_or_an_oversized_frame_allocates_nothing_large():
+    """A signed 512 MiB zstd bomb (a few KB on the wire) is refused after reading what the
+    receiver's tensors can hold; a 64 MiB raw frame is cut off by the socket's size limit.
+    Neither grows the process by more than a fraction of it; a good transfer follows."""
+    import json
+    import resource
+    import zlib
+
+    import zstandard
+
+    from policyworker.refit.layout import RefitError
+
+    receiver, _ = _sparse_receiver()
+    head = json.dumps([["w", [4, 32], "bfloat16", 128, "dense"]]).encode()
+    bomb = zstandard.ZstdCompressor().compress(
+        len(head).to_bytes(4, "little") + head + bytes(512 << 20)
+    )
+    assert len(bomb) < 100_000
+    meta = {"transfer": "t", "producer": 0, "payload": 0, "base_version": 0,
+            "crc": zlib.crc32(bomb)}  # fmt: skip
+    big, sock = _dealer(receiver.address), _dealer(receiver.address)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    try:
+        big.send_multipart([b"DATA", b"{}", bytes(64 << 20)])
+        sock.send_multipart(_frames(b"DATA", meta, bomb))
+        with pytest.raises(RefitError, match="trailing bytes"):
+            receiver.receive("t", 1, timeout_s=5)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        assert grown < 200 * 1024, f"grew {grown} KiB"
+        body, crc = _payload(1.0)
+        good = meta | {"transfer": "u", "crc": crc}
+        sock.send_multipart(_frames(b"DATA", good, body))
+        sock.send_multipart(_frames(b"DONE", good | {"payloads": 1}))
+        assert receiver.receive("u", 1, timeout_s=5) == 1
+    finally:
+        big.close(linger=0)
+        sock.close(linger=0)
+        receiver.close()
+
+
+def test_the_sparse_key_is_mandatory_on_both_sides():
+    from policyworker.refit.sparse import stream, take_baseline
+    from policyworker.refit.sparse_receiver import SparseReceiver
+
+    live = {"w": torch.zeros(4, 32, dtype=torch.bfloat16)}
+    for key in (None, ""):
+        with pytest.raises(ValueError, match="api_key: the sparse refit signs every message"):
+            SparseReceiver(live, W, api_key=key)  # type: ignore[arg-type]
+    from policyworker.refit.sparse import Shard
+
+    source = take_baseline(iter(live.items()), Shard(0, 1))
+    with pytest.raises(ValueError, match="api_key"):
+        stream(source, iter(live.items()), ["tcp://127.0.0.1:1"], transfer_id="t",
+               timeout_s=1, api_key=None)  # type: ignore[arg-type]  # fmt: skip

@@ -12,14 +12,23 @@ from conftest import make_worker
 from helpers import make_batch
 
 from policyworker.config import OptimizerConfig
-from policyworker.generation.process import GenerationProcess
+from policyworker.generation.process import EngineError, GenerationProcess
 from policyworker.losses import NLLLoss
 from policyworker.refit.layout import RefitError
-from policyworker.refit.sparse import Shard, stream, take_baseline
+from policyworker.refit.sparse import KEY_ENV, Shard, stream, take_baseline
 from policyworker.refit.sparse_codec import PayloadError, apply_delta, decode, delta, encode
+from policyworker.refit.sparse_link import signed
 from policyworker.refit.sparse_receiver import SparseReceiver
 
 pytestmark = pytest.mark.processes
+
+KEY = "a test run's key"
+
+
+@pytest.fixture(autouse=True)
+def _run_key(monkeypatch):
+    """The trainers read the run's key from `KEY_ENV`; the engines are bound with it."""
+    monkeypatch.setenv(KEY_ENV, KEY)
 
 
 def test_codec_is_bit_exact_and_catches_corruption():
@@ -34,7 +43,8 @@ def test_codec_is_bit_exact_and_catches_corruption():
     assert d.index.dtype == torch.int32 and d.changed == d.index.numel() == 1 + 96 + 1
     same = delta("v", base, base)
     body, crc = encode([d, same])
-    got = decode(body, crc)
+    expected = {"w": ((64, 96), torch.bfloat16), "v": ((64, 96), torch.bfloat16)}
+    got = decode(body, crc, expected)
     target = base.clone()
     apply_delta(target, got[0])
     apply_delta(target, got[0])  # absolute values: applying twice changes nothing
@@ -42,14 +52,14 @@ def test_codec_is_bit_exact_and_catches_corruption():
     assert got[1].index.numel() == 0
     moved = delta("m", base + 1, base)  # every element: sent dense, the values alone
     assert moved.index is None and moved.changed == base.numel()
-    dense = decode(*encode([moved]))[0]
+    dense = decode(*encode([moved]), {"m": ((64, 96), torch.bfloat16)})[0]
     target = base.clone()
     apply_delta(target, dense)
     assert torch.equal(target.view(torch.int16), (base + 1).view(torch.int16))
     flipped = bytearray(body)
     flipped[len(body) // 2] ^= 1
     with pytest.raises(PayloadError, match="checksum"):
-        decode(bytes(flipped), crc)
+        decode(bytes(flipped), crc, expected)
     bad = json.dumps([["w", [2], "bfloat16", 5, "int32"]]).encode()
     import zlib
 
@@ -57,7 +67,7 @@ def test_codec_is_bit_exact_and_catches_corruption():
 
     short = zstandard.ZstdCompressor().compress(len(bad).to_bytes(4, "little") + bad + b"\0" * 6)
     with pytest.raises(PayloadError, match="does not decode"):
-        decode(short, zlib.crc32(short))
+        decode(short, zlib.crc32(short), {"w": ((2,), torch.bfloat16)})
 
 
 def _setup(llama_dir, lr):
@@ -67,7 +77,7 @@ def _setup(llama_dir, lr):
 
 
 def _stream(worker, targets, transfer_id, **kw):
-    args = dict(transfer_id=transfer_id, api_key_env_var=None, timeout_s=10.0, shard_rank=0,
+    args = dict(transfer_id=transfer_id, api_key_env_var=KEY_ENV, timeout_s=10.0, shard_rank=0,
                 shard_count=1, overwrite_names=[]) | kw  # fmt: skip
     return worker.stream_remote_sparse_weights("zmq", targets, **args)
 
@@ -85,7 +95,7 @@ def work(k):
             new = base.clone()
             new[(k + i) % 256] += 1
             d = delta(f"w{k}", new, base)
-            got = decode(*encode([d]))[0]
+            got = decode(*encode([d]), {f"w{k}": ((256, 512), torch.float32)})[0]
             assert torch.equal(got.index, d.index) and torch.equal(got.values, d.values)
     except BaseException as e:
         errors.append(repr(e))
@@ -122,11 +132,11 @@ def test_refits_through_a_relay_tree_are_exact_and_sparse(llama_dir):
     data = make_batch(batch=4, seq=12)
     engines = [GenerationProcess(str(llama_dir), info) for _ in range(3)]
     try:
-        targets = [e.bind_sparse() for e in engines]
+        targets = [e.bind_sparse(api_key=KEY) for e in engines]
         for version in (1, 2):
             worker.train(data, NLLLoss())
             for e in engines:
-                e.begin_refit_sparse(f"t{version}", 1)
+                e.begin_refit_sparse(f"t{version}", 1, tree=targets)
             stats = _stream(worker, targets, f"t{version}")
             assert [e.end_refit() for e in engines] == [version] * 3
             worker.finish_remote_sparse_delta_sync(succeeded=True)
@@ -151,7 +161,11 @@ def test_a_refused_refit_changes_nothing_and_the_next_resends_it(llama_dir, monk
     worker, info = _setup(llama_dir, 1e-3)
     data = make_batch(batch=4, seq=12)
     with GenerationProcess(str(llama_dir), info) as gen:
-        target = gen.bind_sparse()
+        target = gen.bind_sparse(api_key=KEY)
+        assert gen.bind_sparse(api_key=KEY) == target  # the same settings: the same receiver
+        for other in (dict(api_key="another key"), dict(api_key=KEY, host="0.0.0.0")):
+            with pytest.raises(EngineError, match="bound already with another key or host"):
+                gen.bind_sparse(**other)
         before = gen.weights()
         worker.train(data, NLLLoss())
         real = sparse.encode
@@ -182,7 +196,7 @@ def test_a_restarted_receiver_refuses_a_delta_then_takes_a_full_resync(llama_dir
     data = make_batch(batch=4, seq=12)
     with GenerationProcess(str(llama_dir), info) as gen:
         worker.train(data, NLLLoss())
-        target = gen.bind_sparse()
+        target = gen.bind_sparse(api_key=KEY)
         gen.begin_refit_sparse("t1", 1)
         _stream(worker, [target], "t1")
         assert gen.end_refit() == 1
@@ -190,7 +204,7 @@ def test_a_restarted_receiver_refuses_a_delta_then_takes_a_full_resync(llama_dir
     with GenerationProcess(str(llama_dir), info) as fresh:  # at version 0 again
         before = fresh.weights()
         worker.train(data, NLLLoss())
-        target = fresh.bind_sparse()
+        target = fresh.bind_sparse(api_key=KEY)
         fresh.begin_refit_sparse("t2", 1)
         with pytest.raises(RefitError, match="holds version 0"):
             _stream(worker, [target], "t2")
@@ -215,45 +229,57 @@ def _dealer(address):
     return sock
 
 
+def _signed(kind: bytes, meta: dict, *rest: bytes) -> list[bytes]:
+    return signed(KEY.encode(), [kind, json.dumps(meta).encode(), *rest])
+
+
+def _replies(sock, n: int) -> list[dict]:
+    return [json.loads(sock.recv_multipart()[1]) for _ in range(n)]
+
+
 def test_duplicates_are_applied_once_and_a_missing_payload_applies_nothing():
     """In-process receiver: a payload sent twice is acknowledged twice and staged once; a
     transfer whose DONE counts a payload that never came (dropped), or whose producer died
     before its DONE, ends at the deadline with nothing applied; a stale transfer's message is
-    refused."""
+    refused on its own and the transfer in progress completes."""
     live = {"w": torch.zeros(4, 32, dtype=torch.bfloat16)}
     info = {"w": ((4, 32), torch.bfloat16)}
-    receiver = SparseReceiver(live, info)
+    receiver = SparseReceiver(live, info, api_key=KEY)
     new = torch.ones(4, 32, dtype=torch.bfloat16)
     body, crc = encode([delta("w", new, live["w"])])
     meta = {"transfer": "t", "producer": 0, "payload": 0, "base_version": 0, "crc": crc}
     sock = _dealer(receiver.address)
     try:
         for _ in range(2):
-            sock.send_multipart([b"DATA", json.dumps(meta).encode(), body])
-        sock.send_multipart([b"DONE", json.dumps(meta | {"payloads": 1}).encode()])
+            sock.send_multipart(_signed(b"DATA", meta, body))
+        sock.send_multipart(_signed(b"DONE", meta | {"payloads": 1}))
         assert receiver.receive("t", 1, timeout_s=5) == 1
-        assert [json.loads(sock.recv_multipart()[1])["ok"] for _ in range(3)] == [True] * 3
+        assert [r["ok"] for r in _replies(sock, 3)] == [True] * 3
         assert torch.equal(live["w"], new)
         # version 1 -> a transfer that loses its second payload
         meta2 = meta | {"transfer": "u", "base_version": 1}
-        sock.send_multipart([b"DATA", json.dumps(meta2).encode(), body])
-        sock.send_multipart([b"DONE", json.dumps(meta2 | {"payloads": 2}).encode()])
+        sock.send_multipart(_signed(b"DATA", meta2, body))
+        sock.send_multipart(_signed(b"DONE", meta2 | {"payloads": 2}))
         with pytest.raises(RefitError, match="incomplete"):
             receiver.receive("u", 1, timeout_s=0.5)
         assert receiver.version == 1 and torch.equal(live["w"], new)
-        for _ in range(2):
-            sock.recv_multipart()  # its acks
+        _replies(sock, 2)
         # a producer that dies after its first payload (its socket gone, no DONE)
         meta3 = meta2 | {"transfer": "w"}
         dying = _dealer(receiver.address)
-        dying.send_multipart([b"DATA", json.dumps(meta3).encode(), body])
+        dying.send_multipart(_signed(b"DATA", meta3, body))
         dying.close(linger=-1)
         with pytest.raises(RefitError, match="incomplete"):
             receiver.receive("w", 1, timeout_s=0.5)
         assert receiver.version == 1 and torch.equal(live["w"], new)
-        sock.send_multipart([b"DATA", json.dumps(meta2).encode(), body])  # now a stale one
-        with pytest.raises(RefitError, match="stale"):
-            receiver.receive("v", 1, timeout_s=5)
+        # a stale message (of transfer u) ahead of transfer v's: refused alone, v completes
+        sock.send_multipart(_signed(b"DATA", meta2, body))
+        meta4 = meta2 | {"transfer": "v"}
+        sock.send_multipart(_signed(b"DATA", meta4, body))
+        sock.send_multipart(_signed(b"DONE", meta4 | {"payloads": 1}))
+        assert receiver.receive("v", 1, timeout_s=5) == 2
+        stale, *rest = _replies(sock, 3)
+        assert not stale["ok"] and "stale" in stale["error"] and all(r["ok"] for r in rest)
     finally:
         sock.close(linger=0)
         receiver.close()
@@ -270,7 +296,7 @@ def test_the_sender_thread_keeps_order_and_a_refusal_stops_it_in_time(monkeypatc
     g = torch.Generator().manual_seed(0)
     names = [f"w{i}" for i in range(12)]
     live = {n: torch.zeros(8, 64, dtype=torch.bfloat16) for n in names}
-    receiver = SparseReceiver(live, {n: ((8, 64), torch.bfloat16) for n in names})
+    receiver = SparseReceiver(live, {n: ((8, 64), torch.bfloat16) for n in names}, api_key=KEY)
     source = take_baseline(((n, t.clone()) for n, t in live.items()), Shard(0, 1))
 
     def refit(transfer: str, new: dict[str, torch.Tensor]) -> tuple[dict, dict]:
@@ -286,7 +312,7 @@ def test_the_sender_thread_keeps_order_and_a_refusal_stops_it_in_time(monkeypatc
         thread.start()
         try:
             stats = stream(source, iter(new.items()), [receiver.address], transfer_id=transfer,
-                           timeout_s=5, bucket_bytes=1)  # fmt: skip
+                           timeout_s=5, bucket_bytes=1, api_key=KEY)  # fmt: skip
         finally:
             thread.join()
         return stats, got
@@ -326,7 +352,7 @@ def test_two_producers_each_send_their_share(llama_dir):
     assert set(sources[0].baseline) | set(sources[1].baseline) == set(info)
     worker.train(make_batch(batch=4, seq=12), NLLLoss())
     live = {n: t.clone() for n, t in sources[0].baseline.items() | sources[1].baseline.items()}
-    receiver = SparseReceiver(live, info)
+    receiver = SparseReceiver(live, info, api_key=KEY)
     try:
         import threading
 
@@ -337,7 +363,14 @@ def test_two_producers_each_send_their_share(llama_dir):
         threads = [
             threading.Thread(
                 target=lambda s=s: stats.append(
-                    stream(s, iter(exported), [receiver.address], transfer_id="t", timeout_s=10)
+                    stream(
+                        s,
+                        iter(exported),
+                        [receiver.address],
+                        transfer_id="t",
+                        timeout_s=10,
+                        api_key=KEY,
+                    )
                 )
             )
             for s in sources
@@ -375,6 +408,7 @@ def test_bad_calls_are_refused(llama_dir, monkeypatch):
         (["tcp://127.0.0.1:1"], dict(shard_count=2), "baseline was taken"),
         (["tcp://127.0.0.1:1"], dict(overwrite_names=["nope"]), "overwrite_names"),
         (["tcp://127.0.0.1:1"], dict(api_key_env_var="NO_SUCH_KEY"), "api_key_env_var"),
+        (["tcp://127.0.0.1:1"], dict(api_key_env_var=None), "api_key_env_var: the sparse"),
     ]:
         args = {"transfer_id": "t"} | kw
         with pytest.raises(ValueError, match=match):
@@ -387,11 +421,11 @@ def test_a_dead_receiver_fails_the_trainer_in_time(llama_dir):
     worker, info = _setup(llama_dir, 1e-3)
     root, leaf = GenerationProcess(str(llama_dir), info), GenerationProcess(str(llama_dir), info)
     try:
-        targets = [root.bind_sparse(), leaf.bind_sparse()]
+        targets = [root.bind_sparse(api_key=KEY), leaf.bind_sparse(api_key=KEY)]
         before = root.weights()
         leaf.kill()
         worker.train(make_batch(batch=4, seq=12), NLLLoss())
-        root.begin_refit_sparse("t", 1, timeout_s=2.0)
+        root.begin_refit_sparse("t", 1, timeout_s=2.0, tree=targets)
         with pytest.raises(RefitError, match=targets[1].replace(".", r"\.")):
             _stream(worker, targets, "t", timeout_s=10.0)
         with pytest.raises(RefitError, match="no answer"):
@@ -421,11 +455,12 @@ def test_a_trainer_killed_mid_transfer_leaves_every_engine_on_its_version(llama_
     worker, info = _setup(llama_dir, 1e-3)  # the live trainer of the next refit
     engines = [GenerationProcess(str(llama_dir), info) for _ in range(2)]
     try:
-        targets = [e.bind_sparse() for e in engines]
+        targets = [e.bind_sparse(api_key=KEY) for e in engines]
         before = engines[1].weights()
         script = Path(__file__).parent / "sparse_trainer.py"
         argv = [sys.executable, str(script), str(llama_dir), json.dumps(targets), str(tmp_path)]
-        proc = subprocess.Popen(argv, env=clean_env(), stderr=subprocess.PIPE)
+        env = clean_env() | {KEY_ENV: KEY}
+        proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE)
 
         def wait_for(name: str) -> None:
             deadline = time.monotonic() + 120
@@ -436,7 +471,7 @@ def test_a_trainer_killed_mid_transfer_leaves_every_engine_on_its_version(llama_
 
         wait_for("ready")
         for e in engines:
-            e.begin_refit_sparse("killed", 1, timeout_s=3.0)
+            e.begin_refit_sparse("killed", 1, timeout_s=3.0, tree=targets)
         (tmp_path / "go").touch()
         wait_for("sent")
         proc.kill()
@@ -451,7 +486,7 @@ def test_a_trainer_killed_mid_transfer_leaves_every_engine_on_its_version(llama_
             assert all(torch.equal(before[n], after[n]) for n in before)
         worker.train(make_batch(batch=4, seq=12), NLLLoss())
         for e in engines:
-            e.begin_refit_sparse("next", 1)
+            e.begin_refit_sparse("next", 1, tree=targets)
         _stream(worker, targets, "next")
         assert [e.end_refit() for e in engines] == [1, 1]
         worker.finish_remote_sparse_delta_sync(succeeded=True)

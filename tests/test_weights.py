@@ -9,6 +9,7 @@ from helpers import hf_logprobs, make_batch, make_hf_model
 from safetensors.torch import load_file, save_file
 
 from policyworker.checkpoint import hf as hf_checkpoint
+from policyworker.checkpoint.commit import CheckpointSaveError
 from policyworker.config import OptimizerConfig
 from policyworker.losses import NLLLoss
 from policyworker.model.hf_config import model_shape
@@ -118,7 +119,7 @@ def test_crash_during_save_keeps_the_old_folder(tmp_path, llama_dir):
         yield from list(worker.export_hf_weights())[:3]
         raise OSError("disk full")
 
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointSaveError, match=r"saving .*export failed: .*disk full"):
         hf_checkpoint.save_hf_folder(out, hf_config=worker.hf_config, tensors=crashing())
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary left

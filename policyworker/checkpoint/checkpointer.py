@@ -79,6 +79,18 @@ class Trainee:
     scheduler_config: SchedulerConfig
 
 
+_UNFINISHED: set[Checkpointer] = set()
+"""Checkpointers with an async save pending, kept alive — with the model and optimizer state
+their save reads — until it is committed, at the latest at exit (`finalize_unfinished`): a
+worker collected before exit (made inside `main()`, or `del`-eted) lost its save."""
+
+
+def finalize_unfinished() -> None:
+    """Commit every pending async save (a failed one is removed, with a warning); at exit."""
+    for checkpointer in list(_UNFINISHED):
+        checkpointer.close()
+
+
 class Checkpointer:
     """One rank's checkpoint I/O; holds at most one unfinished async save."""
 
@@ -159,6 +171,7 @@ class Checkpointer:
             state_dicts_s=trees_s, stage_s=staged_s, planned_s=planned_s, staged_s=done_s
         ) | {"staged_bytes": float(staged)}
         self._pending = pending
+        _UNFINISHED.add(self)
         start_writes(pending)
         if not async_save:
             self.finalize()
@@ -176,7 +189,8 @@ class Checkpointer:
         made, so a failure can remove what exists)."""
         for target, tree, meta in trees:
             tmp = make_tmp(target)
-            pending.commits.append((tmp, target, meta))
+            pending.tmps.append(tmp)
+            pending.commits.append((tmp.path, target, meta))
             first = meta["kind"] not in self._strategies
             strategy = self._strategies.setdefault(
                 meta["kind"],
@@ -187,7 +201,7 @@ class Checkpointer:
             with in_process_write_results():
                 request = dist_checkpointing.save(
                     tree,
-                    str(tmp),
+                    str(tmp.path),
                     sharded_strategy=strategy,
                     validate_access_integrity=first,
                     async_sharded_save=True,
@@ -209,6 +223,7 @@ class Checkpointer:
         whether there was one. Collective. A save that fails commits nothing and leaves no
         temporary files: `CheckpointSaveError` names the directory and the cause."""
         pending, self._pending = self._pending, None
+        _UNFINISHED.discard(self)
         if pending is None:
             return False
         try:

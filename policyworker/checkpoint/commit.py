@@ -8,11 +8,16 @@ with a dot and holds no manifest, so nothing mistakes it for a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +85,54 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
-def make_tmp(folder: Path) -> Path:
-    """A new temporary sibling of `folder` (rank 0 creates it; every rank gets its path)."""
+@dataclass(frozen=True, slots=True)
+class Tmp:
+    """A save's temporary sibling of its target, and the folders above it that the save made
+    (a failed save removes them again when they are empty)."""
 
-    def make() -> str:
+    path: Path
+    made: tuple[Path, ...]
+
+    def discard(self) -> None:
+        """Remove the temporary folder and, if empty, the folders made for it (rank 0)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        for folder in self.made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+_HOST = socket.gethostname()
+_TMP = re.compile(r"^\..+\.tmp-(\d+)@(.+)-[a-z0-9_]{8}$")  # mkdtemp adds 8 characters
+
+
+def make_tmp(folder: Path) -> Tmp:
+    """A new temporary sibling of `folder` (rank 0 creates it; every rank gets its path),
+    named after the process that writes it (`.<name>.tmp-<pid>@<host>-<random>`). The
+    temporary siblings that saves killed on this host left there (their process is gone) are
+    swept first."""
+
+    def make() -> tuple[str, list[str]]:
+        made = [p for p in (folder.parent, *folder.parent.parents) if not p.exists()]
         folder.parent.mkdir(parents=True, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent)
+        sweep_killed(folder.parent)
+        prefix = f".{folder.name}.tmp-{os.getpid()}@{_HOST}-"
+        return tempfile.mkdtemp(prefix=prefix, dir=folder.parent), [str(p) for p in made]
 
-    return Path(from_rank0(make))
+    path, made = from_rank0(make)
+    return Tmp(Path(path), tuple(Path(p) for p in made))
+
+
+def sweep_killed(parent: Path) -> None:
+    """Remove the temporary folders in `parent` of saves whose process, on this host, is gone
+    (killed mid-write: nothing of theirs could clean up). Another host's or a live one's stay."""
+    for entry in parent.iterdir():
+        found = _TMP.match(entry.name)
+        if found is None or found.group(2) != _HOST or not entry.is_dir():
+            continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(int(found.group(1)), 0)
+            continue  # alive (or another user's)
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

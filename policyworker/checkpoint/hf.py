@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from policyworker.checkpoint.commit import from_rank0, gather, make_tmp, rank
+from policyworker.checkpoint.commit import (
+    CheckpointSaveError,
+    from_rank0,
+    gather,
+    make_tmp,
+    rank,
+)
 
 SHARD_BYTES = 4 * 2**30
 
@@ -42,7 +48,8 @@ def save_hf_folder(
     `part` (the pipeline stage) keeps the writers' file names apart.
     """
     folder = Path(folder)
-    tmp = make_tmp(folder)
+    made = make_tmp(folder)
+    tmp = made.path
     error: Exception | None = None
     written: WeightMap = {}
     try:
@@ -59,15 +66,24 @@ def save_hf_folder(
         except Exception as e:
             failures.append(f"rank 0: {e!r}")
         if failures:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return "; ".join(failures)
+            free = shutil.disk_usage(tmp).free
+            made.discard()
+            full = free < (1 << 20) or "No space left" in "".join(failures)
+            return (
+                f"no space left on device under {folder.parent} ({free} bytes free)"
+                if full
+                else "; ".join(failures)
+            )
         return None
 
     failure = from_rank0(finish)
+    if failure is not None:  # a writer's own error (a full disk: safetensors' raw error) named
+        raise CheckpointSaveError(
+            f"saving {folder} failed: {failure}; nothing was written there and the temporary "
+            "files are removed"
+        ) from error
     if error is not None:
         raise error
-    if failure is not None:
-        raise RuntimeError(f"saving {folder} failed: {failure}")
     return folder
 
 

@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from torch.distributed.checkpoint.api import CheckpointException
 
-from policyworker.checkpoint.commit import CheckpointSaveError, fault_point, rank
+from policyworker.checkpoint.commit import CheckpointSaveError, Tmp, fault_point, rank
 
 
 @dataclass(slots=True)
@@ -31,6 +31,8 @@ class PendingSave:
 
     requests: list[tuple[AsyncRequest, list[Any]]]
     commits: list[tuple[Path, Path, dict[str, Any]]]  # (tmp, target, manifest)
+    tmps: list[Tmp] = field(default_factory=list)
+    """The temporary folders (and the folders made for them), for a failed save to remove."""
     writers: list[threading.Thread] = field(default_factory=list)
     outputs: list[dict[int, Any]] = field(default_factory=list)
     """Per request, each write bucket's results (or exception) by bucket index."""
@@ -145,5 +147,5 @@ def discard(pending: PendingSave) -> None:
     """Rank 0 removes the save's temporary directories (never a committed one)."""
     if rank() != 0:
         return
-    for tmp, _, _ in pending.commits:
-        shutil.rmtree(tmp, ignore_errors=True)
+    for tmp in reversed(pending.tmps):  # the weights' last: their parents may be shared
+        tmp.discard()

@@ -39,6 +39,7 @@ from policyworker.driver.policy import Policy
 from policyworker.generation.engine import Samples, encode_prompt
 from policyworker.generation.process import GenerationProcess
 from policyworker.losses import ClippedPGLoss, NLLLoss
+from policyworker.refit.sparse import KEY_ENV, fresh_key_env
 
 log = logging.getLogger(__name__)
 
@@ -117,10 +118,13 @@ class Run:
         resume = inputs.resume
         if torch.cuda.is_available():  # a memory line per phase (DEBUG level), in every worker
             logging.getLogger("policyworker.memory.telemetry").setLevel(logging.DEBUG)
+        sparse = cfg.engine == "transformers" and cfg.refit == "sparse"
+        key_env = fresh_key_env() if sparse else {}  # the run's key for signed sparse refits
         self.policy = Policy(
             inputs.policy,
             num_workers=cfg.workers,
             backend=cfg.backend,
+            env=key_env,
             tokenizer=self.tokenizer,
             weights_path=None if resume is None else str(resume.folder / "weights"),
             optimizer_path=None if resume is None else str(resume.folder / "optim"),
@@ -139,8 +143,10 @@ class Run:
                 tokenizer=self.tokenizer,
                 device=str(self.policy.device),
             )
-            kind = SparseRefit if cfg.refit == "sparse" else IpcRefit
-            self.refit = kind(self.policy, self.sampler)
+            if sparse:
+                self.refit = SparseRefit(self.policy, self.sampler, key_env[KEY_ENV])
+            else:
+                self.refit = IpcRefit(self.policy, self.sampler)
         # Rewritten whole: the rows before the resumed step come from its loop state.
         self.metrics_file = (self.out / "metrics.jsonl").open("w")
         self.history: list[dict] = []

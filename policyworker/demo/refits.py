@@ -15,6 +15,7 @@ import torch
 
 from policyworker.driver.policy import Policy, rank_flags
 from policyworker.generation.process import GenerationProcess
+from policyworker.refit.sparse import KEY_ENV
 
 
 class IpcRefit:
@@ -40,14 +41,15 @@ class SparseRefit:
     the engine starts from the HF folder, so the run's first refit sends every tensor whole
     (a resumed run's workers are not at the folder's weights)."""
 
-    def __init__(self, policy: Policy, engine: GenerationProcess) -> None:
+    def __init__(self, policy: Policy, engine: GenerationProcess, key: str) -> None:
+        """`key`: the run's key, which the workers hold as `KEY_ENV`."""
         self.policy, self.engine = policy, engine
         self.ranks = list(range(policy.world_size))
         info = policy.init_remote_sparse_delta_baseline(
             shard_rank=self.ranks, shard_count=len(self.ranks), transport="zmq"
         )
         self.full_bytes = sum(torch.Size(s).numel() * d.itemsize for s, d in info.values())
-        self.target = engine.bind_sparse()
+        self.target = engine.bind_sparse(api_key=key)
         self.first = True
 
     def __call__(self, step: int) -> dict[str, Any]:
@@ -56,7 +58,7 @@ class SparseRefit:
         transfer = f"step{step}"
         self.engine.begin_refit_sparse(transfer, len(self.ranks))
         per_rank = self.policy.stream_remote_sparse_weights(
-            "zmq", [self.target], transfer_id=transfer, api_key_env_var=None,
+            "zmq", [self.target], transfer_id=transfer, api_key_env_var=KEY_ENV,
             timeout_s=self.engine.timeout_s, shard_rank=self.ranks,
             shard_count=len(self.ranks), overwrite_names=[], full_resync=self.first,
         )  # fmt: skip

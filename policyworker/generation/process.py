@@ -88,15 +88,25 @@ class GenerationProcess:
         """Start receiving a collective refit (`update_weights_from_collective`); returns at once."""
         self._begin_refit("refit_collective", (timeout_s or self.timeout_s,))
 
-    def bind_sparse(self, *, api_key: str | None = None, host: str = "127.0.0.1") -> str:
-        """Open the engine's sparse-refit receiver (TCP); its address, for the trainers."""
+    def bind_sparse(self, *, api_key: str, host: str = "127.0.0.1") -> str:
+        """Open the engine's sparse-refit receiver (TCP) for messages signed with `api_key`
+        (the run's key, shared with the trainers); its address, for the trainers. Binding
+        again with the same settings gives the same address; other settings are refused."""
         return self._call("bind_sparse", (), {"api_key": api_key, "host": host})
 
     def begin_refit_sparse(
-        self, transfer_id: str, producers: int, timeout_s: float | None = None
+        self,
+        transfer_id: str,
+        producers: int,
+        timeout_s: float | None = None,
+        *,
+        tree: list[str] | None = None,
     ) -> None:
-        """Start receiving sparse transfer `transfer_id` from `producers` trainer ranks."""
-        self._begin_refit("refit_sparse", (transfer_id, producers, timeout_s or self.timeout_s))
+        """Start receiving sparse transfer `transfer_id` from `producers` trainer ranks;
+        `tree`: every engine's address as the trainers get them (this engine relays to its
+        children there; None: it receives alone)."""
+        args = (transfer_id, producers, timeout_s or self.timeout_s, tree)
+        self._begin_refit("refit_sparse", args)
 
     def end_refit(self) -> int:
         """The version the engine applied; `RefitError` if the refit failed (weights unchanged)."""
@@ -229,6 +239,7 @@ def _serve(
     from policyworker.refit.group import join_refit_group
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
+    from policyworker.refit.sparse_link import key_bytes
     from policyworker.refit.sparse_receiver import SparseReceiver
 
     # the model's dtype: that of its weights (not of MXFP8 values or scales)
@@ -252,9 +263,13 @@ def _serve(
     group, group_error = None, None
     sparse: list[SparseReceiver] = []  # opened by bind_sparse
 
-    def bind_sparse(api_key: str | None, host: str) -> str:
+    def bind_sparse(api_key: str, host: str) -> str:
         if not sparse:
             sparse.append(SparseReceiver(targets, info, api_key=api_key, host=host))
+        elif (key_bytes(api_key), host) != (sparse[0].key, sparse[0].host):
+            raise ValueError(
+                "bind_sparse: bound already with another key or host; one receiver per engine"
+            )
         return sparse[0].address
 
     handlers["bind_sparse"] = lambda args, kw: bind_sparse(**kw)
@@ -281,7 +296,8 @@ def _serve(
             elif name == "refit_sparse":
                 if not sparse:
                     raise RuntimeError("refit_sparse: bind_sparse() first")
-                value = sparse[0].receive(*payload)
+                transfer_id, producers, timeout_s, tree = payload
+                value = sparse[0].receive(transfer_id, producers, timeout_s, tree=tree)
             elif name == "refit_collective":
                 if group is None:
                     raise RuntimeError("refit_collective: init_collective() first")

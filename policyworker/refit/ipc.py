@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import zmq
@@ -56,16 +56,36 @@ from policyworker.refit.layout import (
 )
 from policyworker.refit.receiver import Staging
 
-_PRIVATE: list[str] = []  # this process's endpoint folder, made at its first endpoint
+
+class _Private:
+    """This process's endpoint folder (0700, made with `mkdtemp`, named after the pid so that
+    `buffers.sweep_dead` removes a dead process's) and the endpoints handed out in it: removed
+    when the last is released (a worker's shutdown), or at exit — never while one is in use,
+    so its name is never free for another user to take."""
+
+    folder: ClassVar[str | None] = None
+    names: ClassVar[set[str]] = set()
 
 
 def private_endpoint(name: str) -> str:
-    """An `ipc://` endpoint named `name` in this process's private folder (0700, made once with
-    `mkdtemp`; named after the pid, so `buffers.sweep_dead` removes a dead process's)."""
-    if not _PRIVATE:
-        _PRIVATE.append(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-"))
-        atexit.register(shutil.rmtree, _PRIVATE[0], ignore_errors=True)
-    return f"ipc://{os.path.join(_PRIVATE[0], name)}"
+    """An `ipc://` endpoint named `name` (unique in this process) in its private folder."""
+    if _Private.folder is None:
+        _Private.folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
+        atexit.register(shutil.rmtree, _Private.folder, ignore_errors=True)
+    _Private.names.add(name)
+    return f"ipc://{os.path.join(_Private.folder, name)}"
+
+
+def release_endpoint(address: str) -> None:
+    """The endpoint's socket file removed; the private folder too once no endpoint is left."""
+    remove_socket_file(address)
+    path = address.removeprefix("ipc://")
+    if _Private.folder is None or os.path.dirname(path) != _Private.folder:
+        return
+    _Private.names.discard(os.path.basename(path))
+    if not _Private.names:
+        shutil.rmtree(_Private.folder, ignore_errors=True)
+        _Private.folder = None
 
 
 def check_private(address: str) -> None:

@@ -16,7 +16,7 @@ from policyworker.refit.buffers import sweep_dead
 from policyworker.refit.collective import broadcast_refit
 from policyworker.refit.export import model_tensors, owners, refit_info
 from policyworker.refit.group import join_refit_group
-from policyworker.refit.ipc import IpcLink, private_endpoint, remove_socket_file, send_ipc
+from policyworker.refit.ipc import IpcLink, private_endpoint, release_endpoint, send_ipc
 from policyworker.refit.layout import Layout, RefitInfo, RefitReport
 from policyworker.refit.prequantize import check_prequantize, prequantized, prequantized_info
 from policyworker.refit.reshard import Member, ReshardGroup, report
@@ -76,7 +76,7 @@ class RefitSource:
     def close(self) -> None:
         """Drop the receiver's mappings and this rank's endpoint file (idempotent)."""
         self.link.reset()
-        remove_socket_file(self.address)
+        release_endpoint(self.address)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""

@@ -16,13 +16,14 @@ receiver has applied the version — writes them into the baseline; `finish(Fals
 so the next refit sends again what this one carried (the baseline is never ahead of a receiver).
 
 Messages (multipart; a DEALER to the first receiver, whose ROUTER answers each; the receivers
-relay them down a binary tree of `targets`, `refit.sparse_receiver`):
+relay them down the binary tree of `targets` they were started with, `refit.sparse_receiver`),
+each signed — HMAC-SHA256 under the run's key, which never travels (`refit.sparse_link`):
 
-    DATA  [b"DATA", meta JSON, payload]  meta: transfer, producer, payload, base_version, crc, tree
-    DONE  [b"DONE", meta JSON]           meta: transfer, producer, payloads, base_version, tree
-    reply [b"ACK", JSON {"ok": bool, "error": str or None}]
-
-With an API key, every meta carries it as `key`.
+    DATA  [b"DATA", meta JSON, payload, signature]  meta: transfer, producer, payload,
+                                                    base_version, full, crc
+    DONE  [b"DONE", meta JSON, signature]           meta: transfer, producer, payloads,
+                                                    base_version, full
+    reply [b"ACK", JSON {"ok", "error", "for"}, signature]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -38,9 +40,19 @@ from typing import Any
 import torch
 
 from policyworker.refit.sparse_codec import TensorDelta, apply_delta, delta, encode, whole
-from policyworker.refit.sparse_link import Link
+from policyworker.refit.sparse_link import Link, key_bytes, signed
 
 TRANSPORTS = ("zmq", "vllm_zmq_sparse")
+KEY_ENV = "POLICYWORKER_SPARSE_REFIT_KEY"
+"""Where a run that makes its own key (the demo, refit-check) keeps it for the trainers."""
+
+
+def fresh_key_env() -> dict[str, str]:
+    """`{KEY_ENV: a random 256-bit key}`: for the workers' environment (`Policy(env=...)`)
+    and the engines' `bind_sparse(api_key=...)`."""
+    return {KEY_ENV: secrets.token_hex(32)}
+
+
 BUCKET_BYTES = 64 << 20
 PIPELINE = 2  # full payloads waiting for the sender thread, at most
 
@@ -116,10 +128,16 @@ class SparseCall:
             raise ValueError(f"overwrite_names: not in the refit info: {unknown[:3]}")
         self.api_key()
 
-    def api_key(self) -> str | None:
+    def api_key(self) -> str:
+        """The run's key, from the environment variable `api_key_env_var` names: every
+        message is signed with it (the engines were bound with the same key)."""
         var = self.api_key_env_var
-        if var is None:
-            return None
+        if not (isinstance(var, str) and var):
+            raise ValueError(
+                "api_key_env_var: the sparse refit signs every message (HMAC-SHA256) with a key "
+                "shared by its trainers and engines; name the environment variable holding it, "
+                f"got {var!r}"
+            )
         if not os.environ.get(var):
             raise ValueError(f"api_key_env_var: the environment has no {var!r}")
         return os.environ[var]
@@ -142,7 +160,7 @@ def stream(
     *,
     transfer_id: str,
     timeout_s: float,
-    api_key: str | None = None,
+    api_key: str,
     full: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> dict[str, int]:
@@ -151,9 +169,10 @@ def stream(
     version (a full resync: they end at the version this refit makes). Raises `RefitError` if
     a receiver refuses or does not answer in time (then nothing is pending)."""
     source.pending = None
-    meta = {"transfer": transfer_id, "producer": source.shard.rank, "tree": targets,
-            "base_version": source.version, "full": full} | ({"key": api_key} if api_key else {})  # fmt: skip
-    out = _Payloads(Link(targets[0]), meta, timeout_s, bucket_bytes)
+    meta = {"transfer": transfer_id, "producer": source.shard.rank,
+            "base_version": source.version, "full": full}  # fmt: skip
+    key = key_bytes(api_key)
+    out = _Payloads(Link(targets[0], key), meta, timeout_s, bucket_bytes)
     pending: list[TensorDelta] = []
     try:
         for i, (name, t) in enumerate(tensors):
@@ -208,7 +227,7 @@ class _Payloads:
         if self.error is not None:
             raise self.error
         done = self.meta | {"payloads": self.stats["payloads"]}
-        self.link.call([b"DONE", json.dumps(done).encode()], self.timeout_s)
+        self.link.call(signed(self.link.key, [b"DONE", json.dumps(done).encode()]), self.timeout_s)
 
     def close(self) -> None:
         """Stop the sender after what it was given (idempotent)."""
@@ -233,7 +252,8 @@ class _Payloads:
             try:
                 body, crc = encode(deltas)
                 meta = self.meta | {"payload": index, "crc": crc}
-                self.link.call([b"DATA", json.dumps(meta).encode(), body], self.timeout_s)
+                frames = signed(self.link.key, [b"DATA", json.dumps(meta).encode(), body])
+                self.link.call(frames, self.timeout_s)
                 self.stats["payloads"] += 1
                 self.stats["wire_bytes"] += len(body)
             except BaseException as e:  # re-raised in the caller's thread

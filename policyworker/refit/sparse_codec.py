@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,13 +31,12 @@ import zstandard
 
 
 class _Zstd(threading.local):
-    """This thread's zstd contexts: one compressor or decompressor used by two threads at once
-    corrupts its state (python-zstandard's objects are not thread-safe) — a sender thread and a
-    receiver in one process crashed the interpreter in zstd's C code."""
+    """This thread's zstd compressor: one used by two threads at once corrupts its state
+    (python-zstandard's objects are not thread-safe) — a sender thread and a receiver in one
+    process crashed the interpreter in zstd's C code. A decode makes its own stream."""
 
     def __init__(self) -> None:
         self.compress = zstandard.ZstdCompressor(level=1).compress
-        self.decompress = zstandard.ZstdDecompressor().decompress
 
 
 _ZSTD = _Zstd()
@@ -136,29 +136,98 @@ def encode(deltas: list[TensorDelta]) -> tuple[bytes, int]:
     return body, zlib.crc32(body)
 
 
-def decode(body: bytes, crc: int) -> list[TensorDelta]:
-    """The deltas of a payload; `PayloadError` if it is not what was sent."""
+Expected = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+"""What a receiver holds: each tensor's shape and dtype by name (its refit info)."""
+
+
+def raw_bound(expected: Expected) -> int:
+    """The most bytes a payload for `expected` may decode to: each tensor at most once, and a
+    sparse delta is only sent while smaller than the tensor (`delta`), so at most its bytes."""
+    tensors = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in expected.values())
+    return 4 + _header_bound(expected) + tensors
+
+
+def _header_bound(expected: Expected) -> int:
+    return 1024 + sum(len(name) + 128 for name in expected)
+
+
+def decode(body: bytes, crc: int, expected: Expected) -> list[TensorDelta]:
+    """The deltas of a payload; `PayloadError` if it is not what was sent or not for
+    `expected`. Decompressed as a stream: the header first, checked against `expected`
+    (names, shapes, dtypes, counts), then exactly the bytes it announces — nothing larger than
+    what the receiver holds is ever allocated, whatever the frame claims."""
     if zlib.crc32(body) != crc:
         raise PayloadError("payload checksum mismatch (corrupted in transit)")
     try:
-        raw = _ZSTD.decompress(body)
-        size = int.from_bytes(raw[:4], "little")
-        header = json.loads(raw[4 : 4 + size])
-        offset, out = 4 + size, []
-        for name, shape, dtype, count, index_dtype in header:
+        stream = zstandard.ZstdDecompressor().stream_reader(body)
+        size = int.from_bytes(_read(stream, 4), "little")
+        if size > _header_bound(expected):
+            raise ValueError(f"a header of {size} bytes")
+        entries = [_entry(e, expected) for e in json.loads(_read(stream, size))]
+        if len({e[0] for e in entries}) < len(entries):
+            raise ValueError("a tensor twice in one payload")
+        out = []
+        for name, shape, dtype, count, index_dtype in entries:
             index = None
-            if index_dtype != "dense":
-                gaps, offset = _take(raw, offset, _DTYPES[index_dtype], count)
-                index = gaps.cumsum(0, dtype=torch.int64).to(gaps.dtype)
-            elif count != torch.Size(shape).numel():
-                raise ValueError(f"{name}: a dense delta of {count} elements")
-            values, offset = _take(raw, offset, _DTYPES[dtype], count)
-            out.append(TensorDelta(name, tuple(shape), _DTYPES[dtype], index, values, count))
+            if index_dtype is not None:
+                gaps = _tensor(_read(stream, count * index_dtype.itemsize), index_dtype)
+                index = gaps.cumsum(0, dtype=torch.int64)
+                if count and (int(index.min()) < 0 or int(index.max()) >= shape.numel()):
+                    raise ValueError(f"{name}: a position outside its {shape.numel()} elements")
+                index = index.to(index_dtype)
+            values = _tensor(_read(stream, count * dtype.itemsize), dtype)
+            out.append(TensorDelta(name, tuple(shape), dtype, index, values, count))
+        if stream.read(1):
+            raise ValueError("trailing bytes")
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as e:
         raise PayloadError(f"payload does not decode: {e}") from None
-    if offset != len(raw):
-        raise PayloadError(f"payload has {len(raw) - offset} trailing bytes")
     return out
+
+
+def _entry(
+    entry: object, expected: Expected
+) -> tuple[str, torch.Size, torch.dtype, int, torch.dtype | None]:
+    """A header entry `[name, shape, dtype, count, index dtype or "dense"]`, checked against
+    what the receiver holds (`ValueError` naming what is wrong)."""
+    if not (isinstance(entry, list) and len(entry) == 5):
+        raise ValueError(f"a header entry {str(entry)[:80]}")
+    name, shape, dtype, count, index = entry
+    if name not in expected:
+        raise ValueError(f"{str(name)[:80]} is not in this engine's refit info")
+    want_shape, want_dtype = expected[name]
+    if shape != list(want_shape) or _DTYPES.get(dtype) != want_dtype:
+        raise ValueError(
+            f"{name} sent as {shape} {dtype}, expected {list(want_shape)} {want_dtype}"
+        )
+    numel, itemsize = torch.Size(want_shape).numel(), want_dtype.itemsize
+    if index == "dense":
+        if count != numel:
+            raise ValueError(f"{name}: a dense delta of {count} elements")
+        return name, torch.Size(want_shape), want_dtype, count, None
+    if index not in ("int32", "int64") or not isinstance(count, int) or count < 0:
+        raise ValueError(f"{name}: positions {index!r}, count {count!r}")
+    index_dtype = _DTYPES[index]
+    if count * (index_dtype.itemsize + itemsize) > numel * itemsize:  # larger than dense
+        raise ValueError(f"{name}: {count} positions of {numel} elements")
+    return name, torch.Size(want_shape), want_dtype, count, index_dtype
+
+
+def _read(stream: object, n: int) -> bytes:
+    """Exactly `n` decompressed bytes (a stream may return fewer per read)."""
+    parts, left = [], n
+    while left:
+        chunk = stream.read(left)  # type: ignore[attr-defined]
+        if not chunk:
+            raise ValueError("truncated")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def _tensor(raw: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if not raw:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
 
 
 def _gaps(index: torch.Tensor) -> torch.Tensor:
@@ -168,13 +237,3 @@ def _gaps(index: torch.Tensor) -> torch.Tensor:
 
 def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def _take(raw: bytes, offset: int, dtype: torch.dtype, count: int) -> tuple[torch.Tensor, int]:
-    end = offset + count * dtype.itemsize
-    if end > len(raw):
-        raise ValueError("truncated")
-    if count == 0:
-        return torch.empty(0, dtype=dtype), end
-    t = torch.frombuffer(bytearray(raw[offset:end]), dtype=torch.uint8).view(dtype)
-    return t, end

@@ -75,6 +75,8 @@ class Run:
     lengths: torch.Tensor
     tmp: Path
     extra: dict[str, object]
+    key: str | None = None
+    """The run's key for signed sparse refits (the trainers hold it as `KEY_ENV`)."""
 
 
 def _ranks(tp: int, ep: int, etp: int) -> int:
@@ -103,18 +105,24 @@ def run_check(opts: CheckOptions) -> dict[str, object]:
     """The refit check; returns the JSON row (`ok` False on any mismatch)."""
     from policyworker.data.batched_data_dict import BatchedDataDict
     from policyworker.driver.policy import Policy
+    from policyworker.refit.sparse import KEY_ENV, fresh_key_env
 
     sizes = (opts.trainer_tp, opts.trainer_ep, opts.trainer_etp)
     cfg = _config(opts, *sizes)
     trains = opts.transport == "sparse"  # a sparse refit sends what training changed
     extra: dict[str, object] = {}
+    env = fresh_key_env() if trains else {}  # the run's key: sparse messages are signed
     with (
-        Policy(cfg, _ranks(*sizes), init_optimizer=trains, init_reference_model=False) as trainer,
+        Policy(
+            cfg, _ranks(*sizes), init_optimizer=trains, init_reference_model=False, env=env
+        ) as trainer,
         tempfile.TemporaryDirectory() as tmp,
     ):
         ids, lengths = _fixed_batch(trainer.shape.vocab_size)
         side = {"reshard": _reshard, "sparse": _sparse}.get(opts.transport, _engine)
-        run = Run(opts=opts, ids=ids, lengths=lengths, tmp=Path(tmp), extra=extra)
+        run = Run(
+            opts=opts, ids=ids, lengths=lengths, tmp=Path(tmp), extra=extra, key=env.get(KEY_ENV)
+        )
         report, version, equal, theirs = side(trainer, run)
         ours = trainer.get_logprobs(data=BatchedDataDict(input_ids=ids, input_lengths=lengths))
     diff = float((ours["logprobs"] - theirs).abs().max())
@@ -190,6 +198,7 @@ def _sparse(trainer: Policy, run: Run) -> tuple[RefitReport, int, bool, torch.Te
     from policyworker.generation.process import GenerationProcess
     from policyworker.losses import NLLLoss
     from policyworker.refit.layout import RefitReport
+    from policyworker.refit.sparse import KEY_ENV
 
     world = trainer.world_size
     shards = dict(shard_rank=list(range(world)), shard_count=world)
@@ -199,13 +208,13 @@ def _sparse(trainer: Policy, run: Run) -> tuple[RefitReport, int, bool, torch.Te
         sample_mask=torch.ones(ids.shape[0]),
     )  # fmt: skip
     with GenerationProcess(opts.model, info, device=str(trainer.device)) as gen:
-        target = gen.bind_sparse()
+        target = gen.bind_sparse(api_key=run.key)
         for k in range(opts.refits):
             trainer.train(batch, NLLLoss(), gbs=ids.shape[0], mbs=1)
             gen.begin_refit_sparse(f"check-{k}", world, opts.timeout_s)
             start = time.perf_counter()
             stats = trainer.stream_remote_sparse_weights(
-                "zmq", [target], transfer_id=f"check-{k}", api_key_env_var=None,
+                "zmq", [target], transfer_id=f"check-{k}", api_key_env_var=KEY_ENV,
                 timeout_s=opts.timeout_s, overwrite_names=[], **shards,
             )  # fmt: skip
             version = gen.end_refit()
