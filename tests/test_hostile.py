@@ -409,3 +409,51 @@ def test_the_sparse_key_is_mandatory_on_both_sides():
     with pytest.raises(ValueError, match="api_key"):
         stream(source, iter(live.items()), ["tcp://127.0.0.1:1"], transfer_id="t",
                timeout_s=1, api_key=None)  # type: ignore[arg-type]  # fmt: skip
+
+
+# --- the rendezvous stores ----------------------------------------------------------------------
+
+_LISTENING = """
+import json, os, psutil
+from policyworker.parallel.dims import init_distributed
+init_distributed()
+print(json.dumps([c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                  if c.status == psutil.CONN_LISTEN]))
+"""
+
+
+@pytest.mark.processes
+def test_the_rendezvous_store_listens_on_master_addr_alone():
+    """A worker's (or a Policy rank 0's) torch.distributed store listened on every interface
+    (`*:port`) even with MASTER_ADDR=127.0.0.1: a stranger on another interface could set keys
+    in it. Now on MASTER_ADDR alone (the collective and reshard refit groups' stores too:
+    `parallel.dims.tcp_store`)."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import clean_env
+
+    env = clean_env() | {"MASTER_ADDR": "127.0.0.1"}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    run = subprocess.run(
+        [sys.executable, "-c", _LISTENING], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    listening = json.loads(run.stdout.strip().splitlines()[-1])
+    assert listening and set(listening) == {"127.0.0.1"}, listening
+
+
+def test_a_refit_group_store_listens_on_its_host_alone():
+    import datetime
+
+    import psutil
+
+    from policyworker.parallel.dims import free_port, tcp_store
+
+    port = free_port("127.0.0.1")
+    store = tcp_store("127.0.0.1", port, 1, True, datetime.timedelta(seconds=10))
+    store.set("k", "v")
+    mine = [c for c in psutil.Process().net_connections(kind="inet") if c.laddr.port == port]
+    assert mine and {c.laddr.ip for c in mine if c.status == psutil.CONN_LISTEN} == {"127.0.0.1"}
+    del store

@@ -188,6 +188,8 @@ def init_distributed(*, timeout_s: float = 600.0) -> None:
     """Start torch.distributed if nobody has: gloo on CPU, NCCL on GPU, single process by default.
 
     torchrun-style variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) are honoured.
+    Rank 0's rendezvous store listens on MASTER_ADDR only (torch's own would listen on every
+    interface); under torchrun, torchrun's store is used (docs/deployment.md: the ports).
     """
     if dist.is_initialized():
         return
@@ -200,13 +202,34 @@ def init_distributed(*, timeout_s: float = 600.0) -> None:
         backend = "nccl"
     else:
         backend = "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # its agent hosts the store
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = None if under_torchrun else tcp_store(host, port, world, rank == 0, timeout)
     dist.init_process_group(
-        backend=backend,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend, rank=rank, world_size=world, timeout=timeout, store=store
     )
     log.info("torch.distributed up: backend=%s rank=%d world=%d", backend, rank, world)
+
+
+def tcp_store(
+    host: str, port: int, world: int, is_master: bool, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """A TCPStore at host:port; its master listens on a socket bound to `host` alone (handed
+    to the store, which owns it from then on) — torch's own listens on every interface."""
+    listen_fd = None
+    if is_master:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        server = socket.socket(family, kind, proto)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            server.bind(address)
+            server.listen(2048)
+        except OSError:
+            server.close()
+            raise
+        listen_fd = server.detach()
+    return dist.TCPStore(host, port, world, is_master, timeout, master_listen_fd=listen_fd)
 
 
 def init_model_parallel(dims: ParallelDims) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from policyworker.parallel.dims import tcp_store
 from policyworker.refit.layout import RefitError, RefitInfo, dtype_name
 
 
@@ -24,7 +25,7 @@ def join_refit_group(
     if not 0 <= rank < world_size or world_size < 2:
         raise ValueError(f"rank: expected 0 <= rank < world_size >= 2, got {rank}, {world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    store = tcp_store(host, port, world_size, rank == 0, timeout)  # on `host` alone
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

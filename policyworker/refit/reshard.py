@@ -34,6 +34,7 @@ from policyworker.model.experts import ExpertSplit
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import GateUp, Mapping, VocabRows
 from policyworker.model.weights import mappings
+from policyworker.parallel.dims import tcp_store
 from policyworker.refit.group import agree, fingerprint, start_broadcast, wait_for
 from policyworker.refit.layout import RefitError, RefitInfo, RefitReport, checksum
 
@@ -108,7 +109,7 @@ class ReshardGroup:
         world = sources + destinations
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
-        store = dist.TCPStore(host, port, world, is_master=me.rank == 0, timeout=self.timeout)
+        store = tcp_store(host, port, world, me.rank == 0, self.timeout)  # on `host` alone
         store.set(f"member/{me.rank}", json.dumps(dataclasses.astuple(me)))
         self.members = [Member(*json.loads(store.get(f"member/{r}"))) for r in range(world)]
         self.me = me
