@@ -43,9 +43,9 @@ _DRIVER_ONLY.DriverOnlyLoss = DriverOnlyLoss  # type: ignore[attr-defined]
 
 
 def interrupt(monkeypatch: Any, group: Any, method: str, *, rank: int | None = None) -> None:
-    """Make the group's next `method` ("_collect", or "_send" to `rank`) raise
+    """Make the group's (or a class's) next `method` ("_collect", or "_send" to `rank`) raise
     KeyboardInterrupt once, as a Ctrl-C in a notebook would at that point."""
-    cls = type(group)
+    cls = group if isinstance(group, type) else type(group)
     real = getattr(cls, method)
 
     def interrupted(self: Any, *args: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import psutil
@@ -18,6 +19,7 @@ from policyworker.config import ParallelConfig, PolicyConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import BatchValidationError
 from policyworker.driver.dispatch import Split, balanced_split, split_rows
+from policyworker.driver.group import Answers
 from policyworker.losses import ClippedPGLoss, FullDistillationLoss
 from policyworker.parallel.dims import ParallelDims
 from policyworker.worker import MegatronPolicyWorker
@@ -325,6 +327,21 @@ def test_no_call_ever_takes_another_calls_answer(backend, model_dir, monkeypatch
         assert not e.value.broken and "policyworker_tests_driver_only" in e.value.detail
         torch.testing.assert_close(policy.get_logprobs(data=b)["logprobs"], after, atol=0, rtol=0)
 
+        if backend == "local":  # an answer read off its pipe, then an interrupt: nothing lost
+            interrupt(monkeypatch, Answers, "add")
+            with pytest.raises(KeyboardInterrupt):
+                policy.get_logprobs(data=a)
+            got = policy.get_logprobs(data=b)["logprobs"]  # the old answer was taken, no hang
+            torch.testing.assert_close(got, after, atol=0, rtol=0)
+
+        if backend == "local":  # interrupted part-way through reading an answer: out of step
+            interrupt(monkeypatch, Connection, "recv_bytes")
+            with pytest.raises(KeyboardInterrupt):
+                policy.get_logprobs(data=a)
+            with pytest.raises(WorkerError, match=r"interrupted while reading .* out of step") as e:
+                policy.get_logprobs(data=b)  # not "died, exit code None"
+            assert e.value.broken
+            return
         interrupt(monkeypatch, group, "_send", rank=1)
         with pytest.raises(KeyboardInterrupt):
             policy.get_logprobs(data=a)

@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "parallel": 1,
     **dict.fromkeys(("config", "logs", "losses", "ops", "memory", "compat"), 0),  # nothing of ours
     "schema": -1,  # the basement: config dataclasses from mappings, for config and losses
+    "wire": -1,  # the basement: messages between our processes, tensors by value
 }
 APART = {0, 2}  # layers whose parts must not import each other
 

@@ -419,3 +419,22 @@ def test_a_timed_out_command_never_answers_the_next_one(llama_dir):
         gen.begin_refit_ipc(worker.get_zmq_address())
         worker.stream_weights_via_ipc_zmq()
         assert gen.end_refit() == 1 and gen.version() == 1
+
+        def interrupt_once(method: str) -> None:  # a Ctrl-C at that point of the next call
+            def hit(*args: object, **kwargs: object) -> None:
+                delattr(gen._conn, method)
+                raise KeyboardInterrupt
+
+            setattr(gen._conn, method, hit)
+
+        interrupt_once("poll")  # while waiting: its answer comes late and is dropped
+        with pytest.raises(KeyboardInterrupt):
+            gen.weights()
+        assert gen.version() == 1
+        interrupt_once("recv_bytes")  # while reading an answer: the pipe is out of step
+        with pytest.raises(KeyboardInterrupt):
+            gen.weights()
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="out of step: interrupted while reading"):
+            gen.logprobs(small["input_ids"], small["input_lengths"])
+        assert time.monotonic() - start < 1  # at once, not after a timeout

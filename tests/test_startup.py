@@ -12,7 +12,7 @@ import torch
 from helpers import clean_env, make_batch
 
 from policyworker.compat.process import deferred
-from policyworker.driver.wire import pack, unpack
+from policyworker.wire import pack, unpack
 
 ROOT = Path(__file__).parent.parent
 

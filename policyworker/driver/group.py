@@ -31,9 +31,13 @@ from dataclasses import dataclass, field
 from traceback import format_exc
 from typing import Any, Protocol
 
-from policyworker.driver.wire import unpack
+from policyworker.wire import unpack
 
 log = logging.getLogger(__name__)
+
+SETTLE_TIMEOUT_S = 1800.0
+"""How long the next call waits for an interrupted call's answers when no `call_timeout_s`
+bounds calls; then the group is broken (every wait has a bound)."""
 
 
 class WorkerError(RuntimeError):
@@ -88,6 +92,9 @@ class Answers:
     dead: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     first_error_at: float | None = None
+    inbox: dict[int, bytes] = field(default_factory=dict)
+    """Answers read off a channel and not yet taken in (`drain`): kept from the moment they
+    are read, so that an interrupt while one is taken in loses nothing."""
 
     @property
     def pending(self) -> list[int]:
@@ -116,6 +123,12 @@ class Answers:
             with contextlib.suppress(Exception):  # e.g. a type this process cannot import
                 self.raised[rank] = pickle.loads(blob)
         self.first_error_at = self.first_error_at or time.monotonic()
+
+    def drain(self) -> None:
+        """Take in the answers read so far (again, after an interrupt: `add` is idempotent)."""
+        for rank in list(self.inbox):
+            self.add(rank, pickle.loads(self.inbox[rank]))
+            del self.inbox[rank]
 
     def died(self, rank: int, how: str) -> None:
         self.dead[rank] = how
@@ -215,7 +228,15 @@ class GroupState(abc.ABC):
 
     def _settle_interrupted(self, answers: Answers) -> None:
         """Wait for the answers of a call the driver left early; drop them (they were the old
-        call's), or break the group if its ranks fell out of step."""
+        call's), or break the group if its ranks fell out of step or do not answer in time."""
+        if answers.call_timeout_s is None:  # bounded from now: the old call may still run
+            answers.call_timeout_s = time.monotonic() - answers.started + SETTLE_TIMEOUT_S
+        log.warning(
+            "waiting for the interrupted call %s to end on the workers (at most %.0f s)",
+            answers.call,
+            answers.started + answers.call_timeout_s - time.monotonic(),
+        )
+        answers.drain()
         self._collect(answers)  # interrupted again: it stays unsettled for the next call
         self._unsettled = None
         try:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from policyworker.driver.group import Answers, GroupState
+from policyworker.driver.group import Answers, GroupState, WorkerError
 from policyworker.driver.worker_side import serve
 from policyworker.parallel.dims import free_port
 
@@ -88,6 +88,7 @@ class LocalGroup(GroupState):
             answers.died(rank, f"its process is gone ({e!r})")
 
     def _collect(self, answers: Answers) -> None:
+        answers.drain()
         while not answers.done():
             wait_s = answers.wait_s()
             if wait_s is not None and wait_s <= 0:
@@ -105,13 +106,34 @@ class LocalGroup(GroupState):
         conn = self._conns[rank]
         try:
             if conn.poll():
-                answers.add(rank, pickle.loads(conn.recv_bytes()))
+                answers.inbox[rank] = self._read(rank, answers.call)
+                answers.drain()
                 return
         except (EOFError, OSError):
             pass
         proc = self._procs[rank]
         proc.join(5)
-        answers.died(rank, f"its process (pid {proc.pid}) died, exit code {proc.exitcode}")
+        if proc.exitcode is None:
+            answers.died(rank, f"its pipe failed while its process (pid {proc.pid}) is alive")
+        else:
+            answers.died(rank, f"its process (pid {proc.pid}) died, exit code {proc.exitcode}")
+
+    def _read(self, rank: int, call: str) -> bytes:
+        """One answer off rank's pipe. Interrupted part-way, the pipe is out of step (the rest
+        of that answer would be read as the next): the group is broken, and says why."""
+        try:
+            return self._conns[rank].recv_bytes()
+        except (EOFError, OSError):
+            raise
+        except BaseException as e:
+            self.broken = WorkerError(
+                rank,
+                call,
+                f"the driver was interrupted while reading this rank's answer ({e!r}): its pipe "
+                "is out of step",
+                broken=True,
+            )
+            raise
 
     def shutdown(self) -> None:
         """Ask every process to stop; kill what is still alive after a few seconds."""

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from policyworker.compat.process import exit_now
-from policyworker.driver.wire import pack
 from policyworker.logs import quiet_third_party
+from policyworker.wire import pack
 
 Answer = tuple[int, str, Any, float]
 """(call id, "ok" | "error", the value `wire.pack`ed or a `Failure`, seconds the call ran here)."""

@@ -8,7 +8,11 @@
 
 Commands travel over a pipe, each with an id that its answer echoes; each has a deadline, and a
 dead process is an error, not a hang. A command that timed out is still answered later: that
-answer is dropped by id, so the next command gets its own (the engine stays usable).
+answer is dropped by id, so the next command gets its own (the engine stays usable). Messages
+are plain pickles, tensors by value (no file descriptors passed for storages: an interrupted
+rebuild of one blocked the next command); an interrupt part-way through sending or reading one
+leaves the pipe out of step, and every later command says so at once (`close()` and start a
+new process).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import multiprocessing as mp
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -28,6 +33,7 @@ from policyworker.compat.process import exit_now
 from policyworker.generation.engine import Samples
 from policyworker.refit.buffers import remove_leftovers
 from policyworker.refit.layout import RefitError, RefitInfo
+from policyworker.wire import pack, unpack
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +79,7 @@ class GenerationProcess:
         child.close()
         self._ids = itertools.count(1)
         self._refit: int | None = None  # the id of the refit begun and not yet ended
+        self._torn: str | None = None  # why the pipe is out of step (an interrupt), if it is
         self._wait(0, _START_TIMEOUT_S, "start")
 
     def begin_refit_ipc(self, address: str, timeout_s: float | None = None) -> None:
@@ -164,7 +171,7 @@ class GenerationProcess:
         return self._call("version", (), {})
 
     def close(self) -> None:
-        if self._proc.is_alive():
+        if self._proc.is_alive() and self._torn is None:  # an out-of-step pipe: killed below
             with contextlib.suppress(BrokenPipeError, OSError):
                 self._send("close", ())
             self._proc.join(10)
@@ -197,9 +204,24 @@ class GenerationProcess:
         return self._wait(self._send(name, (args, kwargs)), self.timeout_s, name)
 
     def _send(self, name: str, payload: tuple) -> int:
+        if self._torn is not None:
+            raise EngineError(f"{name}: {self._torn}; close() this process and start another")
         command = next(self._ids)
-        self._conn.send((command, name, payload))
+        message = pack((command, name, payload))
+        with self._whole(f"sending {name}"):
+            self._conn.send_bytes(message)
         return command
+
+    @contextlib.contextmanager
+    def _whole(self, what: str) -> Iterator[None]:
+        """A message moved whole over the pipe, or the pipe marked out of step."""
+        try:
+            yield
+        except (EOFError, OSError):
+            raise
+        except BaseException as e:
+            self._torn = f"the pipe is out of step: interrupted while {what} ({e!r})"
+            raise
 
     def _wait(self, command: int, timeout_s: float, what: str) -> Any:
         """The answer to `command`; answers to earlier commands that timed out are dropped."""
@@ -211,7 +233,9 @@ class GenerationProcess:
                     f"generation process: no answer to {what} in {timeout_s} s ({alive})"
                 )
             try:
-                answered, status, value = self._conn.recv()
+                with self._whole(f"reading the answer to {what}"):
+                    raw = self._conn.recv_bytes()
+                answered, status, value = unpack(raw)
             except EOFError:
                 raise EngineError(f"generation process died during {what}") from None
             if answered == command:
@@ -250,7 +274,7 @@ def _serve(
     )
     targets = engine.refit_targets(info)
     staging = Staging(info, targets, adopt=True, shared=shared_staging)  # adopt: no CUDA graphs
-    conn.send((0, "ok", None))
+    conn.send_bytes(pack((0, "ok", None)))
     handlers = {
         "sample": lambda args, kw: engine.sample(*args, **kw),
         "logprobs": lambda args, kw: engine.logprobs(*args, **kw),
@@ -274,7 +298,7 @@ def _serve(
 
     handlers["bind_sparse"] = lambda args, kw: bind_sparse(**kw)
     while True:
-        command, name, payload = conn.recv()
+        command, name, payload = unpack(conn.recv_bytes())
         if name == "close":
             exit_now()  # nothing left to do: skip the interpreter's second of teardown
         if name == "init_collective":  # no answer: the trainer joins after us
@@ -305,8 +329,9 @@ def _serve(
                 engine.load_mxfp8(staging.targets)
             else:
                 value = handlers[name](*payload)
-            conn.send((command, "ok", value))
+            answer = (command, "ok", value)
         except RefitError as e:
-            conn.send((command, "refit_error", str(e)))
+            answer = (command, "refit_error", str(e))
         except Exception:
-            conn.send((command, "error", traceback.format_exc()))
+            answer = (command, "error", traceback.format_exc())
+        conn.send_bytes(pack(answer))  # tensors by value

@@ -1,5 +1,7 @@
-"""How a call's result crosses from a worker process to the driver: pickled bytes in which every
-tensor travels as its raw bytes (host memory), rebuilt bit for bit on the driver.
+"""How a message crosses between our own processes (a worker's answer to the driver, a
+generation process's to its parent, commands to it): pickled bytes in which every tensor
+travels as its raw bytes (host memory), rebuilt bit for bit on the other side. Below every
+layer: the driver and the generation process use it alike.
 
 Not torch's own tensor pickling: in a worker, megatron-core (0.19) has replaced the function that
 rebuilds a pickled storage with its own, so the driver would import megatron-core (seconds, and
