@@ -159,3 +159,72 @@ def test_a_policy_dict_is_read_as_its_yaml_is(tmp_path):
         as_policy_config({"model_name": "/ckpt", "paralel": {}})
     with pytest.raises(ValueError, match="config: expected a PolicyConfig or a mapping"):
         as_policy_config(["model_name"])  # type: ignore[arg-type]
+
+
+def _bomb(levels: int = 8) -> str:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, levels):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    return "\n".join(lines) + f"\npolicy:\n  model_name: /x\n  extra: *a{levels - 1}\n"
+
+
+POLICY = "policy:\n  model_name: /x\n  megatron_cfg: {enabled: true}\n"
+
+
+@pytest.mark.parametrize(
+    "files,match",
+    [
+        ({"c.yaml": "defaults: c.yaml\n"}, r"c\.yaml: defaults form a cycle"),
+        ({"c.yaml": "defaults: d.yaml\n", "d.yaml": "defaults: c.yaml\n"}, "a cycle"),
+        ({"c.yaml": POLICY + "  train_global_batch_size: ${div:4,0}\n"}, r"\$\{div:4,0\}"),
+        ({"c.yaml": POLICY + "  generation: vllm\n"}, "policy.generation: expected a mapping"),
+        ({"c.yaml": "policy:\n  model_name: [x\n"}, r"not valid YAML at line 3, column 1"),
+        ({"c.yaml": _bomb()}, "expands to more than 200000 values"),
+        ({"c.yaml": POLICY + "  sequence_packing: {enabled: yes}\n"}, "expected true or false"),
+    ],
+    ids=[
+        "self-cycle",
+        "cycle",
+        "div-by-zero",
+        "value-for-section",
+        "syntax",
+        "alias-bomb",
+        "yaml-1.1-bool",
+    ],
+)
+def test_config_files_that_cannot_be_read_fail_at_once_in_one_line(tmp_path, files, match):
+    """A `defaults:` cycle died in RecursionError, `${div:4,0}` in ZeroDivisionError, a value
+    where a section belongs in AttributeError, an alias bomb in MemoryError after a minute, a
+    syntax error in a multi-line parser dump; `yes` was read as true. Each is one line naming
+    the file or key, within a second, and `demo --config` exits 2 with it."""
+    import time
+
+    from policyworker.cli import main
+
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match) as e:
+        load_config(tmp_path / "c.yaml")
+    assert "\n" not in str(e.value) and time.monotonic() - start < 1
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+
+
+def test_recompute_keys_map_and_deepep_is_refused_by_its_own_name(tmp_path):
+    """`recompute_method: block` with 2 layers was refused as having no equivalent (and became
+    uniform/1 when ignored); the flex dispatcher failed as our key, not the recipe's."""
+    mcore = {"enabled": True, "activation_checkpointing": True, "recompute_granularity": "full",
+             "recompute_method": "block", "recompute_num_layers": 2}  # fmt: skip
+    cfg = as_policy_config({"model_name": "/x", "megatron_cfg": mcore})
+    r = cfg.recompute
+    assert (r.activation_checkpointing, r.recompute_method, r.recompute_num_layers) == (
+        True,
+        "block",
+        2,
+    )
+    for key, value in (("moe_token_dispatcher_type", "flex"), ("moe_enable_deepep", True)):
+        section = {"model_name": "/x", "megatron_cfg": {"enabled": True, key: value}}
+        with pytest.raises(ValueError, match=f"policy.megatron_cfg.{key}=.*use .*alltoall"):
+            as_policy_config(section)

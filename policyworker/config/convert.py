@@ -6,12 +6,35 @@ class: `config/__init__.py` holds them and `load_config`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from policyworker.schema import check, finite, from_dict, sections_from_dicts  # noqa: F401
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2's booleans: true / false only. PyYAML's 1.1 rules also read yes, no,
+    on and off as booleans (`sequence_packing.enabled=yes` was taken as true, a key `on` as
+    True); here they stay strings, which a boolean field refuses."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool",
+    re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """`text` as YAML (safe: plain data only; YAML 1.2 booleans)."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -27,7 +50,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p} is not a section")
         try:  # YAML's null is `null` or `~`; Python users write None
-            node[leaf] = None if raw == "None" else yaml.safe_load(raw)
+            node[leaf] = None if raw == "None" else load_yaml(raw)
         except yaml.YAMLError:
             raise ValueError(f"override {item!r}: the value is not valid YAML") from None
     return data

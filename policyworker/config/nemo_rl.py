@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from policyworker.config import OptimizerConfig
+from policyworker.config.convert import load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ MAPPED: dict[str, str] = {
     "megatron_cfg.activation_checkpointing": "recompute.activation_checkpointing",
     "megatron_cfg.recompute_granularity": "recompute.recompute_granularity",
     "megatron_cfg.recompute_modules": "recompute.recompute_modules",
+    "megatron_cfg.recompute_method": "recompute.recompute_method",
+    "megatron_cfg.recompute_num_layers": "recompute.recompute_num_layers",
     "megatron_cfg.optimizer.lr": "optimizer.lr",
     "megatron_cfg.optimizer.min_lr": "optimizer.min_lr",
     "megatron_cfg.optimizer.weight_decay": "optimizer.weight_decay",
@@ -127,12 +130,31 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "megatron_cfg.moe_per_layer_logging": lambda v, p: True,
 }
 
+# reference key -> (the values refused by name, what to use instead): features not built here
+# whose recipes must fail by their own key, not by ours or in a list of unsupported keys
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "megatron_cfg.moe_token_dispatcher_type": (
+        lambda v: v == "flex",
+        "the flex dispatcher (DeepEP / HybridEP) is not built here; use alltoall (the default) "
+        "or allgather",
+    ),
+    "megatron_cfg.moe_enable_deepep": (
+        lambda v: v is True,
+        "DeepEP is not built here; use moe_token_dispatcher_type alltoall (the default) or "
+        "allgather",
+    ),
+}
+
 # keys whose settings only act on what they belong to, which is off or absent here
 _INERT: dict[str, Callable[[dict[str, Any]], bool]] = {
     "megatron_cfg.cuda_graph_": lambda p: _mcore(p).get("cuda_graph_impl") == "none",
     "megatron_cfg.fused_linear_logprobs_chunk_size": lambda p: True,  # `_fused_linear_logprobs`
     "megatron_cfg.recompute_": lambda p: not _mcore(p).get("activation_checkpointing"),
     "megatron_cfg.mtp_": lambda p: not _mcore(p).get("mtp_num_layers"),
+    # how megatron's custom FSDP shards, which is off (`use_custom_fsdp: false`)
+    "megatron_cfg.distributed_data_parallel_config.data_parallel_sharding_strategy": lambda p: (
+        not _mcore(p).get("distributed_data_parallel_config", {}).get("use_custom_fsdp")
+    ),
     "megatron_cfg.optimizer.sgd_": lambda p: (
         _mcore(p).get("optimizer", {}).get("optimizer") == "adam"
     ),
@@ -147,6 +169,28 @@ _RESOLVERS: dict[str, Callable[..., Any]] = {
     "max": lambda a, b: max(a, b),
 }
 _SECTION_SWITCH = "enabled"
+_MAPPINGS = (  # the policy's sections: each a mapping (or null), never a value
+    "generation",
+    "generation.vllm_cfg",
+    "megatron_cfg",
+    "megatron_cfg.optimizer",
+    "megatron_cfg.scheduler",
+    "megatron_cfg.distributed_data_parallel_config",
+    "megatron_cfg.checkpoint",
+    "sequence_packing",
+    "dynamic_batching",
+    "dtensor_cfg",
+    "router_replay",
+)
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 _DTENSOR_ONLY = ("optimizer", "scheduler", "dtensor_cfg")  # the other backend's settings
 _NULL_MEANS = {"max_grad_norm": 0.0}  # null: no clipping (0 here); other nulls: our default
 
@@ -177,20 +221,64 @@ def is_nemo_rl(data: dict[str, Any]) -> bool:
     return isinstance(data.get("policy"), dict) or "megatron_cfg" in data
 
 
-def read_recipe(path: Path) -> dict[str, Any]:
+MAX_VALUES = 200_000
+"""The most values (leaves and sections, each alias counted where it is used) a config may
+expand to: a few YAML aliases nested can stand for billions of them."""
+
+
+def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A recipe YAML with its `defaults:` (one or a list, relative to the file) merged under it,
-    as NeMo-RL composes them; nothing resolved yet."""
-    data = yaml.safe_load(path.read_text()) or {}
+    as NeMo-RL composes them; nothing resolved yet. A `ValueError` naming the file for YAML
+    that does not parse (one line), a `defaults:` cycle, or a file that expands to more than
+    `MAX_VALUES` values."""
+    here = path.resolve()
+    if here in chain:
+        cycle = " -> ".join(str(p) for p in (*chain[chain.index(here) :], here))
+        raise ValueError(f"config file {path}: defaults form a cycle ({cycle})")
+    data = _load_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping at the top level")
+    _check_size(data, path)
     parents = data.pop("defaults", None) or []
     merged: dict[str, Any] = {}
     for parent in [parents] if isinstance(parents, str) else parents:
-        base = Path(parent) if str(parent).startswith("/") else path.parent / parent
+        if not isinstance(parent, str):
+            raise ValueError(f"config file {path}: defaults: expected file names, got {parent!r}")
+        base = Path(parent) if parent.startswith("/") else path.parent / parent
         if not base.is_file():
             raise ValueError(f"config file {path}: defaults {parent}: no such file ({base})")
-        merged = merge(merged, read_recipe(base))
+        merged = merge(merged, read_recipe(base, (*chain, here)))
     return merge(merged, data)
+
+
+def _load_yaml(path: Path) -> Any:
+    """The file's YAML; a syntax error as one line: the file, where, and what."""
+    try:
+        return load_yaml(path.read_text())
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+        raise ValueError(f"config file {path}: not valid YAML{where}: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"config file {path}: not valid YAML: {str(e).splitlines()[0]}") from None
+
+
+def _check_size(data: Any, path: Path) -> None:
+    """Count the values `data` stands for (an alias counted each place it is used), stopping
+    at `MAX_VALUES`: merging or resolving an alias bomb would exhaust the memory."""
+    stack, count = [data], 0
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ValueError(
+                f"config file {path}: expands to more than {MAX_VALUES} values (YAML aliases "
+                "nested inside each other?)"
+            )
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, Any]:
@@ -205,6 +293,10 @@ def policy_fields(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     its keys that have no equivalent here (`policy.key=value`)."""
     root = data if isinstance(data.get("policy"), dict) else {"policy": data}
     policy = _resolve(root["policy"], ["policy"], root)  # only what we read is resolved
+    for section in _MAPPINGS:  # `generation: vllm` where a mapping belongs
+        value = _get(policy, section)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"NeMo-RL config: policy.{section}: expected a mapping, got {value!r}")
     if policy.get("megatron_cfg", {}).get("enabled") is not True:
         raise ValueError(
             "NeMo-RL config: policy.megatron_cfg.enabled: expected true (policyworker is the "
@@ -213,6 +305,9 @@ def policy_fields(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     ours: dict[str, Any] = {}
     unsupported: list[str] = []
     for key, value in leaves(policy):
+        refused, advice = REFUSED.get(key, (lambda v: False, ""))
+        if refused(value):
+            raise ValueError(f"NeMo-RL config: policy.{key}={value!r}: {advice}")
         if key in MAPPED:
             if value is None:  # null: our default, unless it means something (`_NULL_MEANS`)
                 value = _NULL_MEANS.get(MAPPED[key])
@@ -350,7 +445,12 @@ def _evaluate(expr: str, path: list[str], root: dict[str, Any], depth: int) -> A
         if name not in _RESOLVERS:
             raise ValueError(f"NeMo-RL config: {'.'.join(path)}: unknown resolver {name!r}")
         args = [_argument(a, path, root, depth) for a in _split_args(rest)]
-        return _RESOLVERS[name](*args)
+        try:
+            return _RESOLVERS[name](*args)
+        except (ArithmeticError, TypeError) as e:  # ${div:4,0}, ${mul:a,[1]}
+            raise ValueError(
+                f"NeMo-RL config: {'.'.join(path)}: ${{{expr}}}: {type(e).__name__}: {e}"
+            ) from None
     return _lookup(expr.strip(), path, root, depth)
 
 
@@ -358,7 +458,7 @@ def _argument(text: str, path: list[str], root: dict[str, Any], depth: int) -> A
     text = text.strip()
     if "${" in text:
         return _interpolate(text, path, root, depth + 1)
-    return yaml.safe_load(text)
+    return load_yaml(text)
 
 
 def _split_args(text: str) -> list[str]:
