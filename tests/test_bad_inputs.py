@@ -36,6 +36,12 @@ def _nan_at(key):
     return _set_at(key, float("nan"))
 
 
+def _past_length(d):
+    """A mask of 1 at a padding position: counted, it made padded and packed runs disagree."""
+    d["token_mask"] = d["token_mask"].clone()
+    d["token_mask"][1, int(d["input_lengths"][1])] = 1.0
+
+
 def _too_long(d):
     """A row of 65 tokens (the context is 64): the rows' lengths are judged, not the width."""
     d["input_ids"] = torch.zeros(4, 65, dtype=torch.long)
@@ -65,6 +71,7 @@ BAD_BATCHES = {
     ),
     "negative sample_mask": (_set("sample_mask", torch.tensor([1.0, -1, 1, 1])), "sample_mask"),
     "token_mask above 1": (_set("token_mask", lambda d: d["token_mask"] * 2), "token_mask"),
+    "token_mask past the length": (_past_length, "token_mask.*past each row's input_lengths"),
     "prev_logprobs NaN": (_nan_at("prev_logprobs"), "prev_logprobs"),
     "prev_logprobs -inf": (_set_at("prev_logprobs", float("-inf")), "prev_logprobs"),
     "generation_logprobs NaN": (_nan_at("generation_logprobs"), "generation_logprobs"),
@@ -89,6 +96,7 @@ TRAIN_ONLY = {
     "int logprobs",
     "negative sample_mask",
     "token_mask above 1",
+    "token_mask past the length",
     "prev_logprobs NaN",
     "prev_logprobs -inf",
     "generation_logprobs NaN",

@@ -118,7 +118,7 @@ def test_an_offloaded_step_can_be_aborted(llama_dir):
     assert_same(snapshot(worker), before)
 
 
-def test_calls_that_need_offloaded_state_raise_and_change_nothing(llama_dir):
+def test_calls_that_need_offloaded_state_raise_and_change_nothing(llama_dir, tmp_path):
     worker = trained_worker(llama_dir)
     data = make_batch(batch=4, seq=12)
     worker.offload_after_refit()
@@ -139,6 +139,12 @@ def test_calls_that_need_offloaded_state_raise_and_change_nothing(llama_dir):
     worker.prepare_for_lp_inference()
     worker.get_logprobs(data=data)
     worker.train(data, NLLLoss(), eval_mode=True)  # evaluation needs only the params
+    # the advice is one that helps: prepare_for_lp_inference() leaves the optimizer away
+    with pytest.raises(PhaseError, match=r"optimizer .* call prepare_for_training\(\)") as e:
+        worker.save_checkpoint(tmp_path / "w", tmp_path / "o")
+    assert "call prepare_for_lp_inference()" not in str(e.value)
+    worker.prepare_for_training()
+    worker.save_checkpoint(tmp_path / "w", tmp_path / "o")
 
 
 def test_move_model_and_move_optimizer(llama_dir):

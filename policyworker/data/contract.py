@@ -84,6 +84,13 @@ def validate_batch(
     for key in keys:
         if key in PER_TOKEN_FLOAT or key in PER_TOKEN_MASK:
             _check_shape(key, data[key], (b, s), integer=False)
+        if key in PER_TOKEN_MASK:  # a weight past a row's end would be counted as a token
+            past = torch.arange(s)[None, :] >= lengths.cpu()[:, None]
+            outside = (data[key].cpu() != 0) & past
+            if outside.any():
+                row, pos = (int(i) for i in outside.nonzero()[0])
+                _fail(key, "0 past each row's input_lengths", f"{float(data[key][row, pos])} "
+                      f"at row {row}, position {pos} (length {int(lengths[row])})")  # fmt: skip
         elif key in PER_SAMPLE:
             _check_shape(key, data[key], (b,), integer=False)
     if any(key in keys for key in PER_TOKEN_TOPK):

@@ -100,9 +100,15 @@ class Residency:
         """Raise `PhaseError` unless every named group is on the device."""
         away = [n for n in names if self._groups[n].where is not Where.DEVICE]
         if away:
+            if {"optimizer", "grads"} & set(names):  # only these phases bring them back
+                fix = (
+                    "prepare_for_training() (or prepare_for_lp_inference(keep_train_buffers=True))"
+                )
+            else:
+                fix = "prepare_for_lp_inference() or prepare_for_training()"
             raise PhaseError(
                 f"{call}: the {' and '.join(away)} are not on the device (memory phase "
-                f"{self.where()}); call prepare_for_training() or prepare_for_lp_inference() first"
+                f"{self.where()}); call {fix} first"
             )
 
     def place(self, targets: dict[str, Where]) -> None:
