@@ -7,7 +7,7 @@ STAMP := $(VENV)/.setup-done
 PYTHON312 ?= $(shell for p in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do \
 	$$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { echo $$p; break; }; done)
 
-.PHONY: setup test test-fast demo lint format clean lock
+.PHONY: setup test test-fast demo lint format clean lock gpu-wheels
 
 setup: $(STAMP)
 
@@ -52,6 +52,19 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(PY) -m ruff format policyworker tests benchmarks gpu_tests
 	$(PY) -m ruff check --fix policyworker tests benchmarks gpu_tests
+
+# The wheels a GPU machine without a package index lacks (the packages GPU_WHEELS names, at the
+# versions requirements.lock pins), for x86-64 Linux and CPython 3.12, into the ignored .whl/.
+# There: pip install --no-index --no-deps --target /tmp/site .whl/*.whl (CONTRIBUTING.md).
+GPU_WHEELS := megatron-core pyzmq zstandard
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$(for p in $(GPU_WHEELS); do grep -i "^$$p==" requirements.lock; done)
+	ls .whl
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,11 +11,35 @@ before any work starts.
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import os
+import textwrap
 from pathlib import Path
 
 from policyworker.logs import VERBOSE_ENV, quiet_third_party
+
+
+def demo_options() -> str:
+    """The `key=value` options of the demo: `DemoConfig`'s fields with their types, defaults
+    and the first line of their docstrings, read from its source (nothing heavy imported)."""
+    source = (Path(__file__).parent / "demo" / "config.py").read_text()
+    body = next(
+        n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == "DemoConfig"
+    ).body
+    lines = ["key=value options (DemoConfig; nested ones dotted, e.g. loss.ratio_clip_max=0.28):"]
+    for field, doc in zip(body, [*body[1:], None], strict=True):
+        if not (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)):
+            continue
+        value = field.value
+        if isinstance(value, ast.Call) and value.keywords:  # field(default_factory=...): its value
+            value = value.keywords[0].value
+            value = value.body if isinstance(value, ast.Lambda) else ast.Call(value, [], [])
+        default = "" if value is None else ast.unparse(value)
+        text = " ".join(str(doc.value.value).split()) if isinstance(doc, ast.Expr) else ""
+        lines.append(f"  {field.target.id} ({ast.unparse(field.annotation)}) = {default}")
+        lines += textwrap.wrap(text, 96, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -24,7 +48,12 @@ def main(argv: list[str] | None = None) -> None:
         "--verbose", action="store_true", help="also the notices of megatron-core, torch, HF"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="SFT warm-up then GRPO (built-in addition task by default)")
+    demo = sub.add_parser(
+        "demo",
+        help="SFT warm-up then GRPO (built-in addition task by default)",
+        epilog=demo_options(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
     demo.add_argument("--model", default=None, help="HF checkpoint folder to train")
     demo.add_argument("--data", default=None, help="JSONL of prompt/answer pairs (with --model)")
@@ -72,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     for noisy in ("megatron", "transformers", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from policyworker.config import nemo_rl, read_data
     from policyworker.demo.config import load_inputs
-    from policyworker.demo.recipe import load_demo_config
+    from policyworker.demo.recipe import load_demo_config, recipe_terms
 
     overrides = list(args.overrides)
     for key in ("out", "model", "data", "save_every", "resume"):
@@ -81,7 +111,11 @@ def main(argv: list[str] | None = None) -> None:
             overrides.append(f"{key}={getattr(args, key)}")
     try:
         cfg = load_demo_config(args.config, overrides, ignore_unsupported=args.ignore_unsupported)
-        inputs = load_inputs(cfg)
+        try:
+            inputs = load_inputs(cfg)
+        except ValueError as e:  # a recipe's value: named by the recipe's key
+            recipe = args.config is not None and nemo_rl.is_nemo_rl(read_data(args.config))
+            raise ValueError(recipe_terms(str(e)) if recipe else str(e)) from None
     except ValueError as e:
         demo.exit(2, f"{demo.prog}: error: {e}\n")
     from policyworker.demo.grpo import run_demo  # loads megatron-core

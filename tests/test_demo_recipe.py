@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from policyworker.cli import main
-from policyworker.demo.config import policy_config
+from policyworker.demo.config import DemoConfig, policy_config
 from policyworker.demo.grpo import group_advantages
 from policyworker.demo.recipe import load_demo_config
 
@@ -65,9 +65,16 @@ def test_the_demos_own_keys_win_and_recipe_keys_override():
     assert cfg.grpo_lr == 1e-3 and cfg.loss.reference_policy_kl_penalty == 0.01
 
 
-def test_a_global_batch_the_demo_cannot_run_is_named():
-    with pytest.raises(ValueError, match=r"policy\.train_global_batch_size=100 \(the demo trains"):
-        load_demo_config(RECIPE, ["policy.train_global_batch_size=100"], ignore_unsupported=False)
+def test_the_recipes_global_batch_is_honoured_and_one_it_cannot_run_named(tmp_path):
+    """`policy.train_global_batch_size` was dropped with a warning: it is the rollouts per
+    optimizer step (512 rollouts a step, 128 a batch: four optimizer steps per GRPO step)."""
+    cfg = load_demo_config(RECIPE, ["policy.train_global_batch_size=128"], ignore_unsupported=True)
+    assert cfg.train_global_batch_size == 128 and cfg.sft_steps == 0  # no SFT phase unless asked
+    assert policy_config(cfg, tmp_path).train_global_batch_size == 128
+    with pytest.raises(
+        ValueError, match=r"^policy\.train_global_batch_size \(the demo's .*divisor"
+    ):
+        load_demo_config(RECIPE, ["policy.train_global_batch_size=100"], ignore_unsupported=True)
 
 
 @pytest.mark.parametrize(
@@ -149,8 +156,8 @@ def test_a_policy_section_alone_is_read_too(tmp_path):
     cfg = load_demo_config(section, overrides, ignore_unsupported=True)
     assert cfg.max_sequence_length == 64 and cfg.grpo_lr == 5e-6
     assert cfg.worker["scheduler"]["warmup_steps"] == 13
-    with pytest.raises(ValueError, match="train_global_batch_size=512"):  # the demo's 16 x 8
-        load_demo_config(section, ["policy.generation.max_new_tokens=8"])
+    with pytest.raises(ValueError, match="divisor of the 128 rollouts"):  # the demo's 16 x 8
+        load_demo_config(section, ["policy.generation.max_new_tokens=8"], ignore_unsupported=True)
 
 
 def test_the_long_context_keys_reach_the_workers(tmp_path):
@@ -178,3 +185,31 @@ def test_the_long_context_keys_reach_the_workers(tmp_path):
         assert policy.logprob_chunk_size == chunk
         assert policy.recompute.activation_checkpointing
     assert policy_config(own, tmp_path).recompute.recompute_num_layers == 2
+
+
+def test_a_recipes_layout_the_model_cannot_take_is_refused_before_work_by_its_key(tmp_path):
+    """EP 4 on the built-in (dense) model ended in a traceback and exit 1 after work had
+    started; it is a one-line error naming the recipe's key, exit 2, nothing written."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--config", str(RECIPE), "--ignore-unsupported", "--out", str(out),
+              "policy.megatron_cfg.expert_model_parallel_size=4"])  # fmt: skip
+    assert e.value.code == 2 and not out.exists()
+
+
+def test_the_stock_recipes_max_new_tokens_runs_clamped_per_row():
+    """The stock `max_new_tokens: ${policy.max_total_sequence_length}` was refused
+    ("max_sequence_length: expected > max_new_tokens"): each row is clamped to the context."""
+    cfg = load_demo_config(RECIPE, [], ignore_unsupported=True)
+    assert cfg.max_new_tokens == cfg.max_sequence_length == 512
+
+
+def test_demo_help_lists_every_option():
+    import dataclasses
+
+    from policyworker.cli import demo_options
+
+    text = demo_options()
+    for f in dataclasses.fields(DemoConfig):
+        assert f"\n  {f.name} (" in text, f.name
+    assert "prompts_per_step (int) = 16" in text and "Prompts per GRPO step." in text

@@ -21,13 +21,14 @@ from policyworker.demo.task import (
 )
 from policyworker.generation.engine import encode_prompt
 from policyworker.losses.clipped_pg import ClippedPGConfig
-from policyworker.model.hf_config import load_hf_config, model_shape
+from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
 from policyworker.model.weights import check_hf_folder
+from policyworker.parallel.dims import ParallelDims
 
 DEMO_SETS: dict[str, str] = {  # PolicyConfig fields the demo derives from its own options
     "model_name": "--model",
     "precision": "precision",
-    "train_global_batch_size": "prompts_per_step * group_size",
+    "train_global_batch_size": "train_global_batch_size",
     "train_micro_batch_size": "micro_batch_size",
     "logprob_batch_size": "micro_batch_size",
     "max_total_sequence_length": "max_sequence_length",
@@ -65,6 +66,9 @@ class DemoConfig:
     """Samples per prompt."""
     grpo_lr: float = 5e-4
     """GRPO learning rate."""
+    train_global_batch_size: int | None = None
+    """Rollouts per optimizer step (NeMo-RL's `policy.train_global_batch_size`): a GRPO step's
+    prompts_per_step x group_size rollouts take that many / this optimizer steps; None: one."""
     normalize_rewards: bool = True
     """Divide each advantage by its prompt's reward standard deviation (+1e-6; a prompt whose
     samples all scored alike keeps r - baseline), as NeMo-RL's GRPO does."""
@@ -73,7 +77,8 @@ class DemoConfig:
     temperature: float = 1.0
     """Sampling temperature (the worker divides logits by it too)."""
     max_new_tokens: int = 4
-    """Longest response."""
+    """Longest response; each row's is clamped to the context left after its prompt
+    (`max_sequence_length`), so a recipe's `${policy.max_total_sequence_length}` runs."""
     micro_batch_size: int = 64
     """Micro-batch size for train and logprobs; a step with fewer rows per worker (SFT's
     `sft_batch`, GRPO's `prompts_per_step * group_size`, over `workers`) uses that many."""
@@ -164,13 +169,15 @@ class DemoConfig:
             raise ValueError(
                 "worker.generation.max_new_tokens: set by the demo; use max_new_tokens"
             )
+        rollouts = self.prompts_per_step * self.group_size
+        gbs = self.train_global_batch_size
         check(
-            self.max_sequence_length > self.max_new_tokens,
-            "max_sequence_length",
-            "> max_new_tokens",
+            gbs is None or (isinstance(gbs, int) and gbs >= 1 and rollouts % gbs == 0),
+            "train_global_batch_size",
+            f"null or a divisor of the {rollouts} rollouts of a step (prompts_per_step x group_size)",
         )
         steps = {
-            "prompts_per_step": self.prompts_per_step * self.group_size,  # rollouts per step
+            "prompts_per_step": gbs or rollouts,  # rows of an optimizer step
             "sft_batch": self.sft_batch,
         }
         for name, rows in steps.items():
@@ -213,11 +220,12 @@ def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
     """The workers' config: the demo's settings, `cfg.worker` over them (checked here, before
     any work)."""
     rollouts = cfg.prompts_per_step * cfg.group_size
+    gbs = cfg.train_global_batch_size or rollouts
     ours: dict[str, Any] = {
         "model_name": str(model_dir),
         "precision": cfg.precision,
-        "train_global_batch_size": rollouts,
-        "train_micro_batch_size": cfg.step_mbs(rollouts),
+        "train_global_batch_size": gbs,
+        "train_micro_batch_size": cfg.step_mbs(gbs),
         "logprob_batch_size": cfg.step_mbs(rollouts),
         "max_total_sequence_length": cfg.max_sequence_length,
         "sequence_packing": to_dict(cfg.sequence_packing),
@@ -247,12 +255,22 @@ def load_inputs(cfg: DemoConfig) -> DemoInputs:
     else:
         tokenizer, examples, shape = _user_task(cfg)
         model_dir = Path(cfg.model)
+    policy = policy_config(cfg, model_dir)
+    # the layout against this model and the workers, now: not in a traceback once work started
+    check_layout(policy.parallel, shape, policy.moe, policy.recompute)
+    p = policy.parallel
+    ParallelDims.from_world(
+        world_size=cfg.workers, tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size,
+        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size,
+        sp=p.sequence_parallel, world_field="workers",
+    )  # fmt: skip
     return DemoInputs(
         tokenizer=tokenizer,
         examples=examples,
         model_dir=model_dir,
         builtin_model=cfg.model is None,
-        policy=policy_config(cfg, model_dir),
+        policy=policy,
         resume=resume_point(out, cfg.resume, shape),
     )
 
@@ -274,9 +292,9 @@ def _user_task(cfg: DemoConfig) -> tuple[Any, list[Example], Any]:
     for i, ex in enumerate(examples, start=1):
         prompt = len(encode_prompt(tokenizer, ex.prompt))
         answer = len(tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) + 1
-        if prompt + max(answer, cfg.max_new_tokens) > cfg.max_sequence_length:
+        if prompt + answer > cfg.max_sequence_length:  # its SFT row; samples are clamped
             raise ValueError(
-                f"--data: row {i} needs {prompt} prompt + {max(answer, cfg.max_new_tokens)} "
-                f"response tokens, over max_sequence_length={cfg.max_sequence_length}"
+                f"--data: row {i} needs {prompt} prompt + {answer} answer tokens, over "
+                f"max_sequence_length={cfg.max_sequence_length}"
             )
     return tokenizer, examples, shape

@@ -204,6 +204,7 @@ class Run:
             "reward_mean": None,
             "grad_norm": m["grad_norm"],
             "lr": m["lr"],
+            **{k: v for k, v in m.items() if k.startswith("moe_")},  # an MoE model's per expert
         }
 
     def grpo_step(self, step: int, loss_fn: ClippedPGLoss) -> dict:
@@ -247,20 +248,25 @@ class Run:
             "reward_mean": statistics.fmean(rewards),
             **refit,
             **{k: m[k] for k in keep if k in m},
+            **{k: v for k, v in m.items() if k.startswith("moe_")},  # an MoE model's per expert
         }
 
     def refit_and_sample(self, prompts: list[str], seed: int, step: int) -> tuple[Samples, dict]:
-        """The transformers engine's samples after a refit, and the refit's metrics."""
+        """The transformers engine's samples after a refit, and the refit's metrics. Each row
+        is clamped to the context left after its prompt (as the workers' `generate` and the
+        reference's engines do): `max_new_tokens` may be the whole context, as recipes set it."""
         assert self.sampler is not None and self.refit is not None
         refit = self.refit(step)
+        context, tok = self.cfg.max_sequence_length, self.tokenizer
+        shortest = min(len(encode_prompt(tok, p)) for p in prompts)
         samples = self.sampler.sample(
             prompts,
             n=self.cfg.group_size,
-            max_new_tokens=self.cfg.max_new_tokens,
+            max_new_tokens=min(self.cfg.max_new_tokens, context - shortest),
             temperature=self.cfg.temperature,
             seed=seed,
         )
-        return samples, refit
+        return _within(samples, context, tok), refit
 
     def generate(self, prompts: list[str], seed: int) -> Samples:
         """The workers' own samples (`Policy.generate`, in the inference memory phase)."""
@@ -278,6 +284,22 @@ class Run:
         return Samples(
             prompt_ids=encoded, response_ids=responses, response_logprobs=logprobs, texts=texts
         )
+
+
+def _within(samples: Samples, context: int, tokenizer: object) -> Samples:
+    """Each response cut to the `context` left after its prompt (its text decoded again)."""
+    s = samples
+    rows = zip(s.prompt_ids, s.response_ids, s.response_logprobs, s.texts, strict=True)
+    responses, logprobs, texts = [], [], []
+    for prompt, response, lps, text in rows:
+        room = context - len(prompt)
+        if len(response) > room:
+            response, lps = response[:room], lps[:room]
+            text = tokenizer.decode(response, skip_special_tokens=True)  # type: ignore[attr-defined]
+        responses.append(response)
+        logprobs.append(lps)
+        texts.append(text)
+    return Samples(samples.prompt_ids, responses, logprobs, texts)
 
 
 def run_demo(cfg: DemoConfig, inputs: DemoInputs | None = None) -> list[dict]:

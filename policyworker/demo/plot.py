@@ -20,11 +20,11 @@ def plot_metrics(rows: list[dict], path: str | Path) -> Path:
     ax_loss.set_ylabel("loss")
     ax_loss.legend()
     pts = [(r["step"], r["reward_mean"]) for r in rows if r["phase"] == "grpo"]
-    if pts:
-        ax_reward.plot(*zip(*pts, strict=True), color="tab:green")
+    if pts:  # markers too: a single step, or a run at a constant reward, still shows
+        ax_reward.plot(*zip(*pts, strict=True), color="tab:green", marker=".")
     ax_reward.set_xlabel("step")
     ax_reward.set_ylabel("mean reward (GRPO samples)")
-    ax_reward.set_ylim(0, 1)
+    ax_reward.set_ylim(-0.05, 1.05)  # a reward of exactly 0 or 1 off the frame's edge
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -58,6 +58,14 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
 }
 
 _SECTIONS = ("grpo", "loss_fn", "checkpointing", "cluster")  # read key by key
+_POLICY_TO_DEMO = {  # the policy section's fields the demo takes as its own options
+    "precision": "precision",
+    "max_total_sequence_length": "max_sequence_length",
+    "temperature": "temperature",
+    "train_micro_batch_size": "micro_batch_size",
+    "sequence_packing": "sequence_packing",
+    "train_global_batch_size": "train_global_batch_size",
+}
 _WHOLE = ("policy", *_SECTIONS)
 
 
@@ -69,10 +77,30 @@ def load_demo_config(
     data = read_data(path)
     if nemo_rl.is_nemo_rl(data) and not isinstance(data.get("policy"), dict):
         data = {"policy": data}  # a policy section alone
+    section = data.get("data")
+    if isinstance(section, dict) and any(o.startswith("data=") for o in overrides):
+        log.warning("the recipe's data: section (%d keys: %s) is replaced by --data",
+                    len(nemo_rl.leaves(section)), ", ".join(sorted(section)))  # fmt: skip
+        del data["data"]
     apply_overrides(data, overrides)
-    if isinstance(data.get("policy"), dict):
-        data = demo_dict(data, ignore_unsupported=ignore_unsupported)
-    return from_dict(DemoConfig, data)
+    if not isinstance(data.get("policy"), dict):
+        return from_dict(DemoConfig, data)
+    try:
+        return from_dict(DemoConfig, demo_dict(data, ignore_unsupported=ignore_unsupported))
+    except ValueError as e:  # a recipe's value: named by the recipe's key
+        raise ValueError(recipe_terms(str(e))) from None
+
+
+def recipe_terms(message: str) -> str:
+    """An error about a value a recipe set, named by the recipe's key (ours beside it)."""
+    key, sep, rest = message.partition(":")
+    if not sep or " " in key:
+        return message
+    policy = {ours: f"policy.{ref}" for ref, ours in nemo_rl.MAPPED.items()}
+    demo = {ours: ref for ref, ours in MAPPED.items()}
+    demo |= {ours: f"policy.{ref}" for ref, ours in _POLICY_TO_DEMO.items()}
+    ref = demo.get(key) or policy.get(key.removeprefix("worker."))
+    return message if ref is None else f"{ref} (the demo's {key}){sep}{rest}"
 
 
 def demo_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, Any]:
@@ -81,7 +109,7 @@ def demo_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, An
     names = {f.name for f in dataclasses.fields(DemoConfig)}
     own = {k: v for k, v in data.items() if k in names and not (k == "data" and _section(v))}
     recipe = {k: nemo_rl.resolved(data, k) for k in _WHOLE if k in data}
-    mapped: dict[str, Any] = {}
+    mapped: dict[str, Any] = {"sft_steps": 0}  # a GRPO recipe has no SFT phase unless asked
     mapped["worker"], unsupported = _from_policy(data, mapped, own)
     for section in _SECTIONS:
         for key, value in nemo_rl.leaves(recipe.get(section) or {}):
@@ -116,29 +144,13 @@ def _from_policy(
         else:
             log.warning("policy.model_name %s is not a folder here (no model hub): the demo "
                         "trains its built-in model unless --model names one", model)  # fmt: skip
-    for ref, field in (
-        ("precision", "precision"),
-        ("max_total_sequence_length", "max_sequence_length"),
-        ("temperature", "temperature"),
-        ("train_micro_batch_size", "micro_batch_size"),
-        ("sequence_packing", "sequence_packing"),
-    ):
+    for ref, field in _POLICY_TO_DEMO.items():
         if ref in worker:
             ours[field] = worker.pop(ref)
     lr = worker.get("optimizer", {}).pop("lr", None)
     if lr is not None:
         ours["grpo_lr"] = lr
-    grpo, default = nemo_rl.resolved(data, "grpo") or {}, DemoConfig()
-    # what the demo will train: its own options win over the recipe's, as in the merge
-    prompts = own.get(
-        "prompts_per_step", grpo.get("num_prompts_per_step", default.prompts_per_step)
-    )
-    group = own.get("group_size", grpo.get("num_generations_per_prompt", default.group_size))
-    rollouts = prompts * group
-    gbs, lbs = worker.pop("train_global_batch_size", None), worker.pop("logprob_batch_size", None)
-    if gbs is not None and gbs != rollouts:
-        unsupported.append(f"policy.train_global_batch_size={gbs!r} (the demo trains a step's "
-                           f"{rollouts} rollouts as one batch)")  # fmt: skip
+    lbs = worker.pop("logprob_batch_size", None)
     if lbs is not None and lbs != ours.get("micro_batch_size"):
         unsupported.append(f"policy.logprob_batch_size={lbs!r} (the demo uses micro_batch_size)")
     return worker, unsupported
