@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from memory_bench import raw_copy_seconds, seconds, trained_worker
-from train_bench import DEVICE, emit, free
+from train_bench import DEVICE, emit, free, temporary_folder
 
 GB = 1e9
 
@@ -71,7 +70,7 @@ def main() -> None:
 
     from policyworker import NLLLoss
 
-    root = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    root = temporary_folder("ckpt-bench-", args.dir)  # removed at exit, on failure too
     worker, data, folder, n_params = trained_worker(args.layers, args.hidden, args.vocab)
 
     def save(name: str, *, async_save: bool, verify: bool = True) -> dict[str, float]:

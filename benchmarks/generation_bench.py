@@ -131,14 +131,14 @@ def bench_ours(
 
     b, p = prompts.shape
     worker = our_worker(folder, precision, b, p + new, kernel, invariant)
-    cfg = worker.cfg
+    settings = worker.sampler.settings  # the sampler's own (the worker's config is fixed)
     data = BatchedDataDict({"input_ids": prompts, "input_lengths": torch.full((b,), p)})
-    cfg.generation.max_new_tokens = 8  # a short warm-up call
+    settings.max_new_tokens = 8  # a short warm-up call
     worker.generate(data=data, seed=1)
     if prof:  # a 32-token call: prefill and 31 decode steps
-        cfg.generation.max_new_tokens = 32
+        settings.max_new_tokens = 32
         profile_table(f"generate, 32 new tokens, {kernel}", lambda: worker.generate(data=data))
-    cfg.generation.max_new_tokens = new
+    settings.max_new_tokens = new
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()

@@ -25,14 +25,13 @@ import argparse
 import dataclasses
 import math
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_bench import DEVICE, emit, free, full_rows, hf_config, timed
+from train_bench import DEVICE, emit, free, full_rows, hf_config, temporary_folder, timed
 
 
 def rl_batch(
@@ -81,8 +80,7 @@ def use_plan(worker: Any, plan: Any, *, mbs: int, gbs: int | None = None) -> Non
     """Run a built worker with the bench's plan and sizes (its trainer and collector hold their
     own references to the plan and the default sizes)."""
     worker.plan = worker.trainer.plan = plan
-    worker.collector = dataclasses.replace(worker.collector, plan=plan)
-    worker.cfg.logprob_batch_size = mbs
+    worker.collector = dataclasses.replace(worker.collector, plan=plan, default_mbs=mbs)
     settings = worker.trainer.settings
     worker.trainer.settings = dataclasses.replace(settings, mbs=mbs, gbs=gbs or settings.gbs)
 
@@ -109,7 +107,7 @@ def main() -> None:
 
     cfg = hf_config(args.layers, args.hidden, args.vocab)
     cfg.max_position_embeddings = 512 + args.cap
-    folder = Path(tempfile.mkdtemp(prefix="bench-pack-"))
+    folder = temporary_folder("bench-pack-")  # removed at exit
     torch.manual_seed(0)
     with torch.device(DEVICE):
         LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)

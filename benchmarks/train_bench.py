@@ -16,8 +16,10 @@ Prints one JSON line with seconds/step, tokens/s, MFU and the ratios. Needs a GP
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -52,6 +54,13 @@ def hf_config(layers: int, hidden: int, vocab: int):
     )
 
 
+def temporary_folder(prefix: str, parent: str | None = None) -> Path:
+    """A new folder in the temporary directory (or `parent`), removed at the process's exit."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 def random_model(layers: int, hidden: int, vocab: int) -> tuple[Path, object, int]:
     """A random bf16 Llama saved as a Hugging Face folder: (folder, config, parameter count)."""
     from transformers import LlamaForCausalLM
@@ -61,8 +70,9 @@ def random_model(layers: int, hidden: int, vocab: int) -> tuple[Path, object, in
 
 def save_random(model_cls: type, cfg: object, prefix: str) -> tuple[Path, object, int]:
     """`model_cls(cfg)` with seed-0 random bf16 weights, saved to a temporary folder: (folder,
-    config, parameter count)."""
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    config, parameter count). The folder (3-21 GB) is removed when the process exits, whether
+    the benchmark succeeded or raised."""
+    folder = temporary_folder(prefix)
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = model_cls(cfg).to(torch.bfloat16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import functools
 import weakref
 from collections.abc import Iterator
@@ -183,7 +184,7 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
         w.shape,
         w.groups,
         w.device,
-        w.cfg.refit,
+        copy.deepcopy(w.cfg.refit),  # its own: the worker's config is fixed once built
     )
     memory = Residency(
         params=lambda: [*model.parameters(), *model.buffers()],
@@ -307,7 +308,7 @@ def build_sampler(
     )
     return Sampler(
         decoder,
-        w.cfg.generation,
+        copy.deepcopy(w.cfg.generation),  # its own: the worker's config is fixed once built
         temperature=w.cfg.temperature,
         eos_ids=tuple(sorted(eos_ids)),
         tokenizer=tokenizer,

@@ -117,3 +117,21 @@ def build[T](cls: type[T], cfg: T | Mapping[str, Any] | None, *, name: str = "cf
         return cfg
     check(isinstance(cfg, Mapping), name, f"a {cls.__name__} or a mapping", cfg)
     return from_dict(cls, dict(cfg))  # type: ignore[arg-type]
+
+
+def first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
+    """The dotted name of the first field where dataclasses `a` and `b` differ (None: equal)."""
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        for f in dataclasses.fields(a):
+            found = first_difference(getattr(a, f.name), getattr(b, f.name), f"{prefix}{f.name}.")
+            if found is not None:
+                return found
+        return None
+    return None if a == b else prefix.removesuffix(".")
+
+
+def first_value(cfg: Any, dotted: str) -> Any:
+    """The value at a dotted field name of a (nested) dataclass."""
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg

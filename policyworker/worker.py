@@ -10,6 +10,7 @@ together by `assembly`). A bad call raises `ValueError` before any state changes
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from policyworker.memory.telemetry import memory_stats
 from policyworker.model.report import tensor_parallel_report
 from policyworker.refit.layout import RefitInfo, RefitReport
 from policyworker.refit.sparse import SparseCall
+from policyworker.schema import first_difference, first_value
 
 if TYPE_CHECKING:
     from policyworker.train.trainer import Trainer
@@ -51,6 +53,7 @@ class MegatronPolicyWorker:
 
         config = as_policy_config(config)  # NeMo-RL passes its configs as dicts
         self.cfg, self.tokenizer = config, tokenizer
+        self._as_built = copy.deepcopy(config)  # what every service is built from
         self.is_refit_destination = is_refit_destination  # receives reshard refits; never trains
         if is_refit_destination:
             init_optimizer = init_reference_model = False
@@ -97,7 +100,7 @@ class MegatronPolicyWorker:
     ) -> BatchedDataDict:  # fmt: skip
         """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i; 0 at 0 and past the end
         (+ the routes used, `routed_experts`); `moe.router_replay`: replays the batch's routes."""
-        self.memory.require("get_logprobs", "params")
+        self._require("get_logprobs", "params")
         replay = require_router_replay and self.cfg.moe.router_replay
         mbs = self.collector.check(data, micro_batch_size, replay=replay, record=return_routes)
         return self.collector.logprobs(data, mbs, replay=replay, record=return_routes)
@@ -115,14 +118,14 @@ class MegatronPolicyWorker:
         """Swap the reference weights into the live parameters; the live ones return on exit."""
         if self.state.reference is None:
             raise ValueError("init_reference_model=False: this worker holds no reference model")
-        self.memory.require("use_reference_model", "params")
+        self._require("use_reference_model", "params")
         with self.state.reference_swapped_in():
             yield
 
     def get_topk_logits(self, *, data: BatchedDataDict, k: int,
                         micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
-        self.memory.require("get_topk_logits", "params")
+        self._require("get_topk_logits", "params")
         vals, idx = self.collector.topk(data, self.collector.check(data, micro_batch_size, k), k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
@@ -131,7 +134,7 @@ class MegatronPolicyWorker:
         micro_batch_size: int | None = None,
     ) -> BatchedDataDict:  # fmt: skip
         """`logprobs` [B, S] and, on the last stage, `teacher_full_payload` [B, S, D] on CPU."""
-        self.memory.require("get_logprobs_with_full_payload", "params")
+        self._require("get_logprobs_with_full_payload", "params")
         mbs = self.collector.check(data, micro_batch_size)
         return self.collector.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
 
@@ -139,7 +142,7 @@ class MegatronPolicyWorker:
                  seed: int | None = None) -> BatchedDataDict:  # fmt: skip
         """Sample responses with this model (`cfg.generation`, a KV cache, no refit): the
         reference's generation keys; their `logprobs` are `get_logprobs`' (ops/sampling.py)."""
-        self.memory.require("generate", "params")
+        self._require("generate", "params")
         stops = self.sampler.check(data, seed)
         self.state.overlap.sync_params()  # whole parameters, not a step's pending shards
         return self.sampler.generate(data, stops, greedy=greedy, seed=seed)
@@ -150,7 +153,7 @@ class MegatronPolicyWorker:
         save_path: str | Path | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """FP8 KV-cache scales of Q/K/V from `data` (the seed's; model/calibration.py)."""
-        self.memory.require("calibrate_qkv_fp8_scales", "params")
+        self._require("calibrate_qkv_fp8_scales", "params")
         mbs = self.collector.check(data, micro_batch_size)
         return self.collector.calibrate(self.state.model, data, mbs, percentile=percentile,
                                         margin=margin, include_q=include_q, save_path=save_path)  # fmt: skip
@@ -166,7 +169,7 @@ class MegatronPolicyWorker:
         if check_dim_skip_keys is not None:
             raise ValueError("check_dim_skip_keys: expected None (no cross-tokenizer fields here)")
         trainer = self._trainer("train")
-        self.memory.require("train", *(("params",) if eval_mode else GROUPS))
+        self._require("train", *(("params",) if eval_mode else GROUPS))
         trainer.check_batch(data, loss_fn)
         return trainer.train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
 
@@ -183,20 +186,20 @@ class MegatronPolicyWorker:
                          mbs: int | None = None) -> None:  # fmt: skip
         """Open a step (zero gradients) for `train_microbatch`; `finish_train_step` applies it."""
         trainer = self._trainer("begin_train_step")
-        self.memory.require("begin_train_step", *GROUPS)
+        self._require("begin_train_step", *GROUPS)
         trainer.begin(loss_fn, gbs, mbs)
 
     def train_microbatch(self, data: BatchedDataDict) -> None:
         """Forward/backward `mbs`-row multiples (no DP reduce yet); an error aborts the step."""
         trainer = self._trainer("train_microbatch", step_open=True)
-        self.memory.require("train_microbatch", "params", "grads")
+        self._require("train_microbatch", "params", "grads")
         trainer.check_batch(data, trainer.open_loss)
         trainer.add(data)
 
     def finish_train_step(self) -> dict[str, Any]:
         """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics."""
         trainer = self._trainer("finish_train_step", step_open=True)
-        self.memory.require("finish_train_step", *GROUPS)
+        self._require("finish_train_step", *GROUPS)
         return trainer.finish()
 
     def abort_train_step(self) -> None:
@@ -297,7 +300,7 @@ class MegatronPolicyWorker:
         self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
     ) -> RefitReport | None:
         """Refit the receiver at `get_zmq_address()`; collective (TP/PP), `send=False` gathers."""
-        self.memory.require("stream_weights_via_ipc_zmq", "params")
+        self._require("stream_weights_via_ipc_zmq", "params")
         return self.refit.stream_ipc(
             buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
         )
@@ -312,7 +315,7 @@ class MegatronPolicyWorker:
         num_buffers: int = 2,
     ) -> RefitReport | None:  # fmt: skip
         """Broadcast every weight to the receivers of `init_collective` (collective over TP/PP)."""
-        self.memory.require("broadcast_weights_for_collective", "params")
+        self._require("broadcast_weights_for_collective", "params")
         return self.refit.broadcast(
             buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, timeout_s=refit_timeout_s
         )
@@ -329,14 +332,14 @@ class MegatronPolicyWorker:
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> RefitReport | int | None:
         """Refit `init_reshard`'s destinations in their own TP layout (rank 0: the report)."""
-        self.memory.require("nccl_reshard_refit", "params")
+        self._require("nccl_reshard_refit", "params")
         return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
 
     def init_remote_sparse_delta_baseline(
         self, *, shard_rank: int, shard_count: int, transport: str
     ) -> RefitInfo:
         """Keep this producer's share of the weights as the sparse refit's baseline; refit info."""
-        self.memory.require("init_remote_sparse_delta_baseline", "params")
+        self._require("init_remote_sparse_delta_baseline", "params")
         return self.refit.sparse_baseline(shard_rank, shard_count, transport)
 
     def stream_remote_sparse_weights(self, transport: str, targets: list[str], *, transfer_id: str,
@@ -344,7 +347,7 @@ class MegatronPolicyWorker:
         overwrite_names: list[str], full_resync: bool = False) -> dict[str, int]:  # fmt: skip
         """Send the elements changed since the baseline to every receiver (docs/refit.md);
         `full_resync`: every tensor whole, to receivers at any version."""
-        self.memory.require("stream_remote_sparse_weights", "params")
+        self._require("stream_remote_sparse_weights", "params")
         call = SparseCall(transport=transport, transfer_id=transfer_id, timeout_s=timeout_s,
                           api_key_env_var=api_key_env_var, shard_rank=shard_rank,
                           shard_count=shard_count, overwrite_names=list(overwrite_names),
@@ -368,7 +371,7 @@ class MegatronPolicyWorker:
         paths = check_save_paths(weights_path, optimizer_path, has_optimizer, pending=pending)
         if paths[1] is not None or self._step_open:
             self._trainer("save_checkpoint")
-        self.memory.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
+        self._require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
         self.state.overlap.sync_params()  # whole parameters, not the step's pending shards
         step = self.trainer.steps_done if self.trainer else 0
         self.checkpoints.save(
@@ -388,14 +391,14 @@ class MegatronPolicyWorker:
         """Load a checkpoint into any layout; collective; `CheckpointError` changes nothing."""
         if optimizer_path is not None or self._step_open:
             self._trainer("load_checkpoint", damaged_ok=True)
-        self.memory.require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
+        self._require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
         opt = None if optimizer_path is None else Path(optimizer_path)
         manifest = self.checkpoints.load(Path(weights_path), opt)
         self.refit.version = int(manifest["weight_version"])
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""
-        self.memory.require("export_hf_weights", "params")
+        self._require("export_hf_weights", "params")
         return self.refit.hf_weights()
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
@@ -409,6 +412,19 @@ class MegatronPolicyWorker:
     @property
     def _step_open(self) -> bool:
         return self.trainer is not None and self.trainer.step_open
+
+    def _require(self, call: str, *groups: str) -> None:
+        """Refuse a call while the config differs from the one the worker was built from (the
+        services read it once, some parts live: a change would act in some places and not in
+        others, unchecked), or while the named groups of state are off the device."""
+        changed = first_difference(self._as_built, self.cfg)
+        if changed is not None:
+            raise ValueError(
+                f"{call}: cfg.{changed} changed after the worker was built (now "
+                f"{first_value(self.cfg, changed)!r}); a worker's config is fixed: build a new "
+                "worker for another one"
+            )
+        self.memory.require(call, *groups)
 
     def _trainer(
         self, call: str, *, step_open: bool | None = False, damaged_ok: bool = False

@@ -243,3 +243,21 @@ def test_sub_configs_may_be_given_as_dicts():
 def test_bad_parallel_layout(llama_dir, parallel, field):
     with pytest.raises(ValueError, match=field):
         make_worker(llama_dir, parallel=ParallelConfig(**parallel))
+
+
+def test_a_config_changed_after_the_worker_was_built_is_refused(llama_dir):
+    """`w.cfg.generation.top_p = 1.7` reached the sampler unchecked; `w.cfg.temperature = -1`
+    acted nowhere (the services took it at build) — a change would act in some places and not
+    in others. The next call refuses it by name; put back, the worker goes on."""
+    worker = make_worker(llama_dir)
+    data = make_batch(batch=4, seq=12)
+    prompts = {"input_ids": data["input_ids"], "input_lengths": data["input_lengths"] // 2}
+    worker.cfg.generation.top_p = 1.7
+    with pytest.raises(ValueError, match=r"generate: cfg\.generation\.top_p changed .*1\.7"):
+        worker.generate(data=prompts)
+    worker.cfg.generation.top_p = 1.0
+    worker.cfg.temperature = -1.0
+    with pytest.raises(ValueError, match=r"get_logprobs: cfg\.temperature changed"):
+        worker.get_logprobs(data=data)
+    worker.cfg.temperature = 1.0
+    assert worker.get_logprobs(data=data)["logprobs"].shape == (4, 12)

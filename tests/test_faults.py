@@ -109,3 +109,19 @@ def test_refit_files_are_removed_and_dead_processes_files_swept(llama_dir):
     worker.shutdown()  # idempotent
     assert not endpoint.parent.exists()  # the last endpoint of this process released
     assert not [f for f in os.listdir(tempfile.gettempdir()) if f.startswith(mine)]
+
+
+def test_benchmark_model_folders_go_at_exit_on_success_and_on_failure(tmp_path):
+    """Every benchmark left its model folders (3-21 GB each) in the temporary directory."""
+    bench = Path(__file__).parents[1] / "benchmarks"
+    for fail in (False, True):
+        script = (
+            f"import sys; sys.path.insert(0, {str(bench)!r})\n"
+            "from train_bench import temporary_folder\n"
+            f"folder = temporary_folder('bench-test-', {str(tmp_path)!r})\n"
+            "(folder / 'model.safetensors').write_bytes(b'x')\n"
+            f"if {fail}: raise RuntimeError('the benchmark failed')\n"
+        )
+        run = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True)
+        assert run.returncode == (1 if fail else 0), run.stderr[-2000:]
+        assert list(tmp_path.iterdir()) == []
