@@ -108,12 +108,14 @@ def test_group_advantages():
 
 @pytest.mark.processes
 def test_demo_on_a_user_checkpoint_and_jsonl(tmp_path):
-    """--model/--data: the user's HF folder (with its tokenizer) and prompt/answer pairs."""
-    from policyworker.demo.grpo import tiny_llama
+    """--model/--data: the user's HF folder (with its tokenizer) and prompt/answer pairs; an
+    MoE model (a tiny Qwen3-MoE) — its rows report the tokens per expert."""
+    from helpers import make_hf_model
+
     from policyworker.demo.task import char_tokenizer
 
     tok = char_tokenizer()
-    ckpt = tiny_llama(tmp_path / "ckpt", len(tok), seed=3)
+    ckpt = make_hf_model(tmp_path / "ckpt", "qwen3_moe", vocab_size=len(tok), seed=3)
     tok.save_pretrained(ckpt)
     data = tmp_path / "tasks.jsonl"
     data.write_text(
@@ -140,6 +142,7 @@ def test_demo_on_a_user_checkpoint_and_jsonl(tmp_path):
     )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["phase"] for r in rows] == ["sft", "sft", "grpo", "grpo"]
+    assert all(r["moe_tokens_per_expert_max"] >= r["moe_tokens_per_expert_min"] for r in rows)
     assert (out / "hf" / "model.safetensors").exists()
 
 
@@ -199,6 +202,8 @@ def _exits_2(argv: list[str], capsys) -> str:
         "sft_lr=inf",
         "grpo_lr=inf",
         "temperature=nan",
+        "loss.reference_policy_kl_penalty=nan",
+        "loss.ratio_clip_min=.nan",
         "engine=vllm",
         "worker.generation.max_new_tokens=9",
     ],
@@ -290,3 +295,15 @@ def test_micro_batch_size_is_clamped_alike_for_sft_and_grpo():
     assert two.step_mbs(4) == 2
     with pytest.raises(ValueError, match="micro_batch_size"):
         DemoConfig(prompts_per_step=4, group_size=4, sft_batch=16, micro_batch_size=5)
+
+
+def test_a_reward_of_exactly_1_is_drawn_inside_the_frame(tmp_path, monkeypatch):
+    """At a reward of 1.0 the line lay on the plot's top border: the panel looked empty."""
+    from policyworker.demo import plot
+
+    figures: list = []
+    monkeypatch.setattr(plot.plt, "close", figures.append)
+    rows = [{"step": s, "phase": "grpo", "loss": 0.1, "reward_mean": 1.0} for s in range(3)]
+    plot.plot_metrics(rows, tmp_path / "m.png")
+    low, high = figures[0].axes[1].get_ylim()
+    assert low < 0.0 and high > 1.0 and (tmp_path / "m.png").stat().st_size > 0

@@ -45,26 +45,32 @@ def _staging() -> tuple[Staging, dict[str, torch.Tensor]]:
     return Staging(INFO, live), live
 
 
+def _as_trainer(address: str, frame: bytes, answers: list[object]) -> threading.Thread:
+    """A peer speaking as the trainer: binds `address`, sends `frame`, keeps the answer."""
+
+    def run() -> None:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.bind(address)
+        sock.send(frame)
+        answers.append(sock.recv_json())
+        sock.close()
+        remove_socket_file(address)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 def test_the_receiver_never_unpickles_a_message(tmp_path):
     """A peer speaking as the trainer with a pickle gets a refusal; the pickle never runs and
     the live weights stay."""
     address = private_endpoint("evil-trainer.sock")
     marker = tmp_path / "ran"
     answers: list[object] = []
-
-    def evil_trainer() -> None:
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.bind(address)
-        sock.send(pickle.dumps(_Evil(marker)))
-        answers.append(sock.recv_json())
-        sock.close()
-        remove_socket_file(address)
-
     staging, live = _staging()
-    peer = threading.Thread(target=evil_trainer)
-    peer.start()
+    peer = _as_trainer(address, pickle.dumps(_Evil(marker)), answers)
     with pytest.raises(RefitError, match="not a JSON object"):
         receive_ipc(staging, address=address, timeout_s=5.0)
     peer.join(10)
@@ -83,22 +89,12 @@ def test_the_receiver_never_unpickles_a_message(tmp_path):
     ],
 )
 def test_a_malformed_message_is_a_refit_error_with_a_reply(message, match):
+    import json
+
     address = private_endpoint("malformed.sock")
     answers: list[object] = []
-
-    def peer() -> None:
-        sock = zmq.Context.instance().socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 5000)
-        sock.bind(address)
-        sock.send_json(message)
-        answers.append(sock.recv_json())
-        sock.close()
-        remove_socket_file(address)
-
     staging, _ = _staging()
-    thread = threading.Thread(target=peer)
-    thread.start()
+    thread = _as_trainer(address, json.dumps(message).encode(), answers)
     with pytest.raises(RefitError, match=match):
         receive_ipc(staging, address=address, timeout_s=5.0)
     thread.join(10)

@@ -64,15 +64,16 @@ class _Private:
     so its name is never free for another user to take."""
 
     folder: ClassVar[str | None] = None
-    names: ClassVar[set[str]] = set()
+    users: ClassVar[int] = 0  # endpoints handed out and not released
 
 
 def private_endpoint(name: str) -> str:
-    """An `ipc://` endpoint named `name` (unique in this process) in its private folder."""
+    """An `ipc://` endpoint named `name` in this process's private folder (two workers of one
+    process and rank get the same one: they refit one at a time)."""
     if _Private.folder is None:
         _Private.folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
         atexit.register(shutil.rmtree, _Private.folder, ignore_errors=True)
-    _Private.names.add(name)
+    _Private.users += 1
     return f"ipc://{os.path.join(_Private.folder, name)}"
 
 
@@ -82,10 +83,10 @@ def release_endpoint(address: str) -> None:
     path = address.removeprefix("ipc://")
     if _Private.folder is None or os.path.dirname(path) != _Private.folder:
         return
-    _Private.names.discard(os.path.basename(path))
-    if not _Private.names:
+    _Private.users -= 1
+    if _Private.users <= 0:
         shutil.rmtree(_Private.folder, ignore_errors=True)
-        _Private.folder = None
+        _Private.folder, _Private.users = None, 0
 
 
 def check_private(address: str) -> None:

@@ -71,12 +71,15 @@ class RefitSource:
         self.address = private_endpoint(f"rank{dist.get_rank()}.sock")
         """Where this rank's colocated receiver connects (ZMQ IPC endpoint)."""
         self.link = IpcLink(self.address)  # the receiver's staging areas, kept mapped
+        self._released = False
         sweep_dead()
 
     def close(self) -> None:
-        """Drop the receiver's mappings and this rank's endpoint file (idempotent)."""
+        """Drop the receiver's mappings and this rank's endpoint (idempotent)."""
         self.link.reset()
-        release_endpoint(self.address)
+        if not self._released:
+            self._released = True
+            release_endpoint(self.address)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""

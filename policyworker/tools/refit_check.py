@@ -204,7 +204,8 @@ def _sparse(trainer: Policy, run: Run) -> tuple[RefitReport, int, bool, torch.Te
     shards = dict(shard_rank=list(range(world)), shard_count=world)
     info = trainer.init_remote_sparse_delta_baseline(**shards, transport="zmq")
     batch = BatchedDataDict(
-        input_ids=ids, input_lengths=lengths, token_mask=torch.ones(ids.shape),
+        input_ids=ids, input_lengths=lengths,
+        token_mask=(torch.arange(ids.shape[1])[None, :] < lengths[:, None]).float(),
         sample_mask=torch.ones(ids.shape[0]),
     )  # fmt: skip
     with GenerationProcess(opts.model, info, device=str(trainer.device)) as gen:
