@@ -213,3 +213,14 @@ def test_demo_help_lists_every_option():
     for f in dataclasses.fields(DemoConfig):
         assert f"\n  {f.name} (" in text, f.name
     assert "prompts_per_step (int) = 16" in text and "Prompts per GRPO step." in text
+
+
+def test_the_recipes_data_section_is_named_when_data_replaces_it(caplog):
+    """With --data the recipe's `data:` section was dropped without a word."""
+    with caplog.at_level("WARNING", logger="policyworker.demo.recipe"):
+        cfg = load_demo_config(RECIPE, ["data=/my/rows.jsonl"], ignore_unsupported=True)
+    assert cfg.data == "/my/rows.jsonl"
+    assert (
+        "the recipe's data: section (12 keys:" in caplog.text
+        and "replaced by --data" in caplog.text
+    )
