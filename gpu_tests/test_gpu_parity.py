@@ -228,7 +228,7 @@ def _dump():
 
 def test_compiled_loss_ops_match_eager():
     """The fused (torch.compile) logprob-at-ids and entropy kernels equal the eager CPU ones."""
-    from policyworker.ops.logprobs import index_logprobs, token_logprobs, vocab_parallel_entropy
+    from logit_ops import index_logprobs, token_logprobs, vocab_parallel_entropy
 
     g = torch.Generator().manual_seed(0)
     logits = (3 * torch.randn(4, 64, 1024, generator=g)).bfloat16()

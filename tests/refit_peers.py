@@ -13,6 +13,16 @@ from policyworker.refit.ipc import IpcLink, send_ipc
 from policyworker.refit.layout import Layout
 
 
+def kill(gen) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL a `GenerationProcess` (a receiver that dies mid-refit), and sweep what it left
+    (as `close` does for a process that ends)."""
+    from policyworker.refit.buffers import remove_leftovers
+
+    gen._proc.kill()
+    gen._proc.join()
+    remove_leftovers(gen._proc.pid)
+
+
 @contextlib.contextmanager
 def tampering(tamper: Callable[[torch.Tensor], None]) -> Iterator[None]:
     """Call `tamper(bucket_bytes)` on every bucket an IPC refit of this process sends, right

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from logit_ops import index_logprobs, token_logprobs, vocab_parallel_entropy
 from reference_pg_cases import BASE, CASES
 
 from policyworker.losses import (
@@ -24,7 +25,6 @@ from policyworker.losses import (
     NLLLoss,
     masked_mean,
 )
-from policyworker.ops.logprobs import index_logprobs, token_logprobs, vocab_parallel_entropy
 from policyworker.train.step import reduce_metrics
 
 F64 = torch.float64

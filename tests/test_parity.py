@@ -69,7 +69,7 @@ def test_topk_matches_transformers(llama_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_values_and_gradient(llama_dir, temperature, dtype):
     """Against float64 autograd of log_softmax: values and the gradient w.r.t. the logits."""
-    from policyworker.ops.logprobs import token_logprobs
+    from logit_ops import token_logprobs
 
     dev = make_worker(llama_dir).device  # sets up torch.distributed and megatron's groups
     g = torch.Generator().manual_seed(0)

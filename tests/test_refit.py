@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_worker
 from helpers import make_batch, make_hf_model, torchrun
-from refit_peers import dying_trainer, tampering
+from refit_peers import dying_trainer, kill, tampering
 from safetensors.torch import load_file
 
 from policyworker.config import OptimizerConfig, RefitConfig
@@ -189,7 +189,7 @@ def test_a_receiver_killed_mid_refit_fails_the_trainer_in_time(llama_dir):
     def kill_after_first(buffer):
         sent.append(1)
         if len(sent) == 2:  # bucket 0 is out and acknowledged by now or soon
-            gen.kill()
+            kill(gen)
 
     start = time.monotonic()
     with pytest.raises(RefitError, match=r"did not answer .* in time") as err:
@@ -383,7 +383,7 @@ def test_a_dead_collective_receiver_fails_the_trainer_in_time(llama_dir):
     worker = make_worker(llama_dir, refit=RefitConfig(timeout_s=3.0))
     info = worker.prepare_refit_info()
     gen = _collective_pair(worker, llama_dir, info, timeout_s=3.0)
-    gen.kill()
+    kill(gen)
     start = time.monotonic()
     with pytest.raises(RefitError, match="the collective failed"):
         worker.broadcast_weights_for_collective(buffer_size_bytes=SMALL_BUFFER)

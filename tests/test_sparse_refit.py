@@ -10,6 +10,7 @@ import torch
 import zmq
 from conftest import make_worker
 from helpers import make_batch
+from refit_peers import kill
 
 from policyworker.config import OptimizerConfig
 from policyworker.generation.process import EngineError, GenerationProcess
@@ -423,7 +424,7 @@ def test_a_dead_receiver_fails_the_trainer_in_time(llama_dir):
     try:
         targets = [root.bind_sparse(api_key=KEY), leaf.bind_sparse(api_key=KEY)]
         before = root.weights()
-        leaf.kill()
+        kill(leaf)
         worker.train(make_batch(batch=4, seq=12), NLLLoss())
         root.begin_refit_sparse("t", 1, timeout_s=2.0, tree=targets)
         with pytest.raises(RefitError, match=targets[1].replace(".", r"\.")):
@@ -433,7 +434,7 @@ def test_a_dead_receiver_fails_the_trainer_in_time(llama_dir):
         worker.finish_remote_sparse_delta_sync(succeeded=False)
         after = root.weights()
         assert all(torch.equal(before[n], after[n]) for n in before)
-        root.kill()
+        kill(root)
         with pytest.raises(RefitError, match="no answer"):
             _stream(worker, targets, "u", timeout_s=1.0)
     finally:

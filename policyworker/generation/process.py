@@ -181,12 +181,6 @@ class GenerationProcess:
         self._conn.close()
         remove_leftovers(self._proc.pid)
 
-    def kill(self) -> None:
-        """SIGKILL the process (tests: a receiver that dies mid-refit)."""
-        self._proc.kill()
-        self._proc.join()
-        remove_leftovers(self._proc.pid)
-
     def __enter__(self) -> GenerationProcess:
         return self
 
