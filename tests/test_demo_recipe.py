@@ -134,7 +134,7 @@ def test_the_demo_runs_a_nemo_rl_recipe(tmp_path):
         "policy.train_micro_batch_size=8",
         "policy.precision=float32",
         "policy.max_total_sequence_length=32",
-        "policy.generation.max_new_tokens=4",
+        "policy.generation.max_new_tokens=${policy.max_total_sequence_length}",  # clamped
         "sft_steps=2",
         "sft_batch=16",
     ]

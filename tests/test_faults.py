@@ -130,3 +130,23 @@ def test_benchmark_model_folders_go_at_exit_on_success_and_on_failure(tmp_path):
         run = subprocess.run([sys.executable, "-c", script], env=clean_env(), capture_output=True)
         assert run.returncode == (1 if fail else 0), run.stderr[-2000:]
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_saves_temporary_folder_is_swept_by_the_next_save(llama_dir, tmp_path):
+    """A save killed mid-write left `.weights.tmp-*` beside its target, which nothing swept.
+    The next save into that folder removes those of dead processes of this host; a live
+    process's, another host's and anything else stay."""
+    import socket
+
+    from conftest import make_worker
+
+    host, dead = socket.gethostname(), _dead_pid()
+    killed = tmp_path / f".weights.tmp-{dead}@{host}-abcd1234"
+    live = tmp_path / f".weights.tmp-{os.getpid()}@{host}-efgh5678"
+    other_host = tmp_path / f".weights.tmp-{dead}@another-host-ijkl9012"
+    mine = tmp_path / ".notes"
+    for folder in (killed, live, other_host, mine):
+        folder.mkdir()
+    make_worker(llama_dir).save_checkpoint(tmp_path / "weights")
+    assert not killed.exists() and live.exists() and other_host.exists() and mine.exists()
+    assert (tmp_path / "weights" / "policyworker.json").is_file()

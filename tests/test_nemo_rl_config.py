@@ -228,3 +228,18 @@ def test_recompute_keys_map_and_deepep_is_refused_by_its_own_name(tmp_path):
         section = {"model_name": "/x", "megatron_cfg": {"enabled": True, key: value}}
         with pytest.raises(ValueError, match=f"policy.megatron_cfg.{key}=.*use .*alltoall"):
             as_policy_config(section)
+
+
+def test_the_worker_takes_a_nemo_rl_policy_dict(tmp_path):
+    """`MegatronPolicyWorker({...})` raised AttributeError ('dict' object has no attribute
+    'parallel'); it builds from NeMo-RL's policy section as from the same `PolicyConfig`."""
+    from helpers import make_batch, make_hf_model
+
+    from policyworker.worker import MegatronPolicyWorker
+
+    folder = make_hf_model(tmp_path / "m", "llama")
+    section = {"model_name": str(folder), "precision": "float32", "max_total_sequence_length": 64,
+               "megatron_cfg": {"enabled": True}}  # fmt: skip
+    worker = MegatronPolicyWorker(section, init_optimizer=False, init_reference_model=False)
+    assert worker.cfg == as_policy_config(section) and isinstance(worker.cfg, PolicyConfig)
+    assert worker.get_logprobs(data=make_batch(batch=2, seq=12))["logprobs"].shape == (2, 12)
