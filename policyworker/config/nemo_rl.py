@@ -14,13 +14,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from policyworker.config import OptimizerConfig
-from policyworker.config.convert import load_yaml
+from policyworker.config.convert import load_yaml, merge, read_recipe  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -221,66 +218,6 @@ def is_nemo_rl(data: dict[str, Any]) -> bool:
     return isinstance(data.get("policy"), dict) or "megatron_cfg" in data
 
 
-MAX_VALUES = 200_000
-"""The most values (leaves and sections, each alias counted where it is used) a config may
-expand to: a few YAML aliases nested can stand for billions of them."""
-
-
-def read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A recipe YAML with its `defaults:` (one or a list, relative to the file) merged under it,
-    as NeMo-RL composes them; nothing resolved yet. A `ValueError` naming the file for YAML
-    that does not parse (one line), a `defaults:` cycle, or a file that expands to more than
-    `MAX_VALUES` values."""
-    here = path.resolve()
-    if here in chain:
-        cycle = " -> ".join(str(p) for p in (*chain[chain.index(here) :], here))
-        raise ValueError(f"config file {path}: defaults form a cycle ({cycle})")
-    data = _load_yaml(path) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {path}: expected a mapping at the top level")
-    _check_size(data, path)
-    parents = data.pop("defaults", None) or []
-    merged: dict[str, Any] = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
-        if not isinstance(parent, str):
-            raise ValueError(f"config file {path}: defaults: expected file names, got {parent!r}")
-        base = Path(parent) if parent.startswith("/") else path.parent / parent
-        if not base.is_file():
-            raise ValueError(f"config file {path}: defaults {parent}: no such file ({base})")
-        merged = merge(merged, read_recipe(base, (*chain, here)))
-    return merge(merged, data)
-
-
-def _load_yaml(path: Path) -> Any:
-    """The file's YAML; a syntax error as one line: the file, where, and what."""
-    try:
-        return load_yaml(path.read_text())
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        where = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-        raise ValueError(f"config file {path}: not valid YAML{where}: {e.problem}") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"config file {path}: not valid YAML: {str(e).splitlines()[0]}") from None
-
-
-def _check_size(data: Any, path: Path) -> None:
-    """Count the values `data` stands for (an alias counted each place it is used), stopping
-    at `MAX_VALUES`: merging or resolving an alias bomb would exhaust the memory."""
-    stack, count = [data], 0
-    while stack:
-        node = stack.pop()
-        count += 1
-        if count > MAX_VALUES:
-            raise ValueError(
-                f"config file {path}: expands to more than {MAX_VALUES} values (YAML aliases "
-                "nested inside each other?)"
-            )
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-
-
 def policy_dict(data: dict[str, Any], *, ignore_unsupported: bool) -> dict[str, Any]:
     """Our `PolicyConfig` fields (as a nested dict) from a NeMo-RL recipe or policy section."""
     ours, unsupported = policy_fields(data)
@@ -378,18 +315,6 @@ def put(tree: dict[str, Any], dotted: str, value: Any) -> None:
     for p in parents:
         tree = tree.setdefault(p, {})
     tree[leaf] = value
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and v.pop("_override_", False):
-            out[k] = v
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = v
-    return out
 
 
 # --- interpolation ------------------------------------------------------------------------------

@@ -242,6 +242,34 @@ class GenerationProcess:
         return value
 
 
+class _SparseSide:
+    """The engine's sparse-refit receiver, opened by the first `bind_sparse` (one per engine:
+    binding again with the same key and host gives its address, other settings are refused)."""
+
+    def __init__(self, targets: dict[str, torch.Tensor], info: RefitInfo) -> None:
+        self.targets, self.info = targets, info
+        self.receiver: Any = None
+
+    def bind(self, api_key: str, host: str) -> str:
+        from policyworker.refit.sparse_link import key_bytes
+        from policyworker.refit.sparse_receiver import SparseReceiver
+
+        if self.receiver is None:
+            self.receiver = SparseReceiver(self.targets, self.info, api_key=api_key, host=host)
+        elif (key_bytes(api_key), host) != (self.receiver.key, self.receiver.host):
+            raise ValueError(
+                "bind_sparse: bound already with another key or host; one receiver per engine"
+            )
+        return self.receiver.address
+
+    def receive(
+        self, transfer_id: str, producers: int, timeout_s: float, tree: list[str] | None
+    ) -> int:
+        if self.receiver is None:
+            raise RuntimeError("refit_sparse: bind_sparse() first")
+        return self.receiver.receive(transfer_id, producers, timeout_s, tree=tree)
+
+
 def _serve(
     conn: Connection,
     model_dir: str,
@@ -257,8 +285,6 @@ def _serve(
     from policyworker.refit.group import join_refit_group
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
-    from policyworker.refit.sparse_link import key_bytes
-    from policyworker.refit.sparse_receiver import SparseReceiver
 
     # the model's dtype: that of its weights (not of MXFP8 values or scales)
     dtypes = {dtype for _, dtype in info.values() if dtype.is_floating_point and dtype.itemsize > 1}
@@ -279,18 +305,9 @@ def _serve(
         "version": lambda args, kw: staging.version,
     }
     group, group_error = None, None
-    sparse: list[SparseReceiver] = []  # opened by bind_sparse
-
-    def bind_sparse(api_key: str, host: str) -> str:
-        if not sparse:
-            sparse.append(SparseReceiver(targets, info, api_key=api_key, host=host))
-        elif (key_bytes(api_key), host) != (sparse[0].key, sparse[0].host):
-            raise ValueError(
-                "bind_sparse: bound already with another key or host; one receiver per engine"
-            )
-        return sparse[0].address
-
-    handlers["bind_sparse"] = lambda args, kw: bind_sparse(**kw)
+    sparse = _SparseSide(targets, info)
+    handlers["bind_sparse"] = lambda args, kw: sparse.bind(**kw)
+    handlers["refit_sparse"] = lambda *payload: sparse.receive(*payload)
     while True:
         command, name, payload = unpack(conn.recv_bytes())
         if name == "close":
@@ -311,11 +328,6 @@ def _serve(
                 address, timeout_s = payload
                 value = receive_ipc(staging, address=address, timeout_s=timeout_s)
                 engine.load_mxfp8(staging.targets)
-            elif name == "refit_sparse":
-                if not sparse:
-                    raise RuntimeError("refit_sparse: bind_sparse() first")
-                transfer_id, producers, timeout_s, tree = payload
-                value = sparse[0].receive(transfer_id, producers, timeout_s, tree=tree)
             elif name == "refit_collective":
                 if group is None:
                     raise RuntimeError("refit_collective: init_collective() first")
