@@ -48,8 +48,8 @@ def save_hf_folder(
     `part` (the pipeline stage) keeps the writers' file names apart.
     """
     folder = Path(folder)
-    made = make_tmp(folder)
-    tmp = made.path
+    temporary = make_tmp(folder)
+    tmp = temporary.path
     error: Exception | None = None
     written: WeightMap = {}
     try:
@@ -67,7 +67,7 @@ def save_hf_folder(
             failures.append(f"rank 0: {e!r}")
         if failures:
             free = shutil.disk_usage(tmp).free
-            made.discard()
+            temporary.discard()
             full = free < (1 << 20) or "No space left" in "".join(failures)
             return (
                 f"no space left on device under {folder.parent} ({free} bytes free)"

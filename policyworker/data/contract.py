@@ -82,20 +82,26 @@ def validate_batch(
             f"range [{int(lengths.min())}, {int(lengths.max())}]",
         )
     for key in keys:
-        if key in PER_TOKEN_FLOAT or key in PER_TOKEN_MASK:
+        if key in PER_TOKEN_FLOAT:
             _check_shape(key, data[key], (b, s), integer=False)
-        if key in PER_TOKEN_MASK:  # a weight past a row's end would be counted as a token
-            past = torch.arange(s)[None, :] >= lengths.cpu()[:, None]
-            outside = (data[key].cpu() != 0) & past
-            if outside.any():
-                row, pos = (int(i) for i in outside.nonzero()[0])
-                _fail(key, "0 past each row's input_lengths", f"{float(data[key][row, pos])} "
-                      f"at row {row}, position {pos} (length {int(lengths[row])})")  # fmt: skip
+        elif key in PER_TOKEN_MASK:
+            _check_shape(key, data[key], (b, s), integer=False)
+            _check_zero_past(key, data[key], lengths)
         elif key in PER_SAMPLE:
             _check_shape(key, data[key], (b,), integer=False)
     if any(key in keys for key in PER_TOKEN_TOPK):
         _check_topk(data, b, s, vocab_size)
     return b, s
+
+
+def _check_zero_past(key: str, mask: torch.Tensor, lengths: torch.Tensor) -> None:
+    """A mask's weight past a row's end would count a padding token: refuse it."""
+    past = torch.arange(mask.shape[1])[None, :] >= lengths.cpu()[:, None]
+    outside = (mask.cpu() != 0) & past
+    if outside.any():
+        row, pos = (int(i) for i in outside.nonzero()[0])
+        got = f"{float(mask[row, pos])} at row {row}, position {pos} (length {int(lengths[row])})"
+        _fail(key, "0 past each row's input_lengths", got)
 
 
 def _check_topk(data: Any, b: int, s: int, vocab_size: int) -> None:

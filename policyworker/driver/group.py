@@ -236,7 +236,6 @@ class GroupState(abc.ABC):
             answers.call,
             answers.started + answers.call_timeout_s - time.monotonic(),
         )
-        answers.drain()
         self._collect(answers)  # interrupted again: it stays unsettled for the next call
         self._unsettled = None
         try:

@@ -80,8 +80,8 @@ def private_endpoint(name: str) -> str:
 def release_endpoint(address: str) -> None:
     """The endpoint's socket file removed; the private folder too once no endpoint is left."""
     remove_socket_file(address)
-    path = address.removeprefix("ipc://")
-    if _Private.folder is None or os.path.dirname(path) != _Private.folder:
+    path = _socket_path(address)
+    if path is None or _Private.folder is None or os.path.dirname(path) != _Private.folder:
         return
     _Private.users -= 1
     if _Private.users <= 0:
@@ -89,12 +89,18 @@ def release_endpoint(address: str) -> None:
         _Private.folder, _Private.users = None, 0
 
 
+def _socket_path(address: str) -> str | None:
+    """The socket file of an `ipc://` endpoint (None for another transport's address)."""
+    return address.removeprefix("ipc://") if address.startswith("ipc://") else None
+
+
 def check_private(address: str) -> None:
     """Refuse (`RefitError`) an `ipc://` endpoint whose folder is not this user's alone: another
     user could have bound it, or could connect to it."""
-    if not address.startswith("ipc://"):
+    path = _socket_path(address)
+    if path is None:
         return
-    folder = os.path.dirname(os.path.abspath(address[len("ipc://") :]))
+    folder = os.path.dirname(os.path.abspath(path))
     try:
         st = os.stat(folder)
     except OSError as e:
@@ -110,7 +116,7 @@ def check_private(address: str) -> None:
 def _bind(sock: zmq.Socket, address: str) -> None:
     """Bind the trainer's end: never over an existing path, only for this user's processes."""
     check_private(address)
-    path = address[len("ipc://") :] if address.startswith("ipc://") else None
+    path = _socket_path(address)
     if path is not None and os.path.lexists(path):
         raise RefitError(f"refit: {path} exists; refusing to bind over it (another refit's?)")
     with contextlib.suppress(AttributeError, zmq.ZMQError):  # SO_PEERCRED, where there is one
@@ -123,9 +129,10 @@ def _bind(sock: zmq.Socket, address: str) -> None:
 def remove_socket_file(address: str) -> None:
     """The file of an `ipc://` endpoint this process bound (ZMQ leaves it when the socket
     closes); the next refit binds it again."""
-    if address.startswith("ipc://"):
+    path = _socket_path(address)
+    if path is not None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(address[len("ipc://") :])
+            os.unlink(path)
 
 
 def _socket(kind: int, timeout_s: float) -> zmq.Socket:
