@@ -50,27 +50,27 @@ def one_row_pack(t: int) -> tuple[torch.Tensor, object]:
 
 
 def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    from policyworker.model.attention import _varlen_cuda
+    from policyworker.model.attention.kernels import varlen_cuda
 
     cu, params = one_row_pack(q.shape[0])
-    return _varlen_cuda(q, k, v, cu, cu, params, DIM**-0.5)  # type: ignore[arg-type]
+    return varlen_cuda(q, k, v, cu, cu, params, DIM**-0.5)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The one row as [1, heads, tokens, dim] views, causal, torch's choice of kernel."""
-    from policyworker.model.attention import causal_sdpa
+    from policyworker.model.attention.kernels import causal_sdpa
 
     q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
     return causal_sdpa(q4, k4, v4, DIM**-0.5)[0].transpose(0, 1)
 
 
 def sdpa_bucketed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """What a bin that one row fills runs (`model.attention._one_sequence`): `sdpa` on the row
+    """What a bin that one row fills runs (`model.attention.kernels.one_sequence`): `sdpa` on the row
     padded at its end to its bucket (a multiple of 1024 tokens at these lengths), so that
     lengths share cuDNN graphs; the padding's output is dropped."""
-    from policyworker.model.attention import _one_sequence
+    from policyworker.model.attention.kernels import one_sequence
 
-    return _one_sequence(q, k, v, DIM**-0.5)
+    return one_sequence(q, k, v, DIM**-0.5)
 
 
 def inputs(length: int) -> list[torch.Tensor]:

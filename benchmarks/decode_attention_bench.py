@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from train_bench import DEVICE, emit
 
-from policyworker.model.kv_cache import sdpa_decode
+from policyworker.model.attention.cached import sdpa_decode
 from policyworker.ops.decode_attention import decode_attention, splits_for
 
 HEADS, GROUPS, DIM, SPARE = 32, 8, 64, 512

@@ -214,7 +214,10 @@ def bench_cp_kernel(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cp_kernel_row(length: int, steps: int) -> dict[str, Any]:
-    from policyworker.model.attention import _context_blocks_cuda, _context_blocks_reference
+    from policyworker.model.attention.kernels import (
+        context_blocks_cuda,
+        context_blocks_reference,
+    )
     from policyworker.parallel.context import ContextSplit
 
     heads, kv_heads, dim = 32, 8, 64  # the attention of train_bench's model
@@ -226,7 +229,7 @@ def cp_kernel_row(length: int, steps: int) -> dict[str, Any]:
         for n, h in ((length // 2, heads), (length, kv_heads), (length, kv_heads))
     )
     row: dict[str, Any] = {}
-    for name, kernel in (("flash", _context_blocks_cuda), ("masked", _context_blocks_reference)):
+    for name, kernel in (("flash", context_blocks_cuda), ("masked", context_blocks_reference)):
         row[name] = measure(lambda f=kernel: f(q, k, v, plan, dim**-0.5).sum().backward(), steps)
     if isinstance(row["flash"], dict) and isinstance(row["masked"], dict):
         row["speedup"] = row["masked"]["s"] / row["flash"]["s"]

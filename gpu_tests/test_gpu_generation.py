@@ -201,12 +201,12 @@ def test_decode_kernel_equals_sdpa(dtype):
 
 def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
     """SDPA's masked grouped decode attention in fp32, the slots past each row's position zeroed."""
-    from policyworker.model.kv_cache import _masked_grouped
+    from policyworker.model.attention.cached import masked_grouped
 
     reach = torch.arange(k.shape[2], device="cuda")[None, :] <= pos[:, None]
     kk = torch.where(reach[:, None, :, None], k.float(), 0.0)
     vv = torch.where(reach[:, None, :, None], v.float(), 0.0)
-    ref = _masked_grouped(q[:, :, None].float(), kk, vv, pos[None, :], q.shape[-1] ** -0.5)
+    ref = masked_grouped(q[:, :, None].float(), kk, vv, pos[None, :], q.shape[-1] ** -0.5)
     return ref[:, :, 0]
 
 
@@ -264,7 +264,7 @@ def test_rope_into_cache_is_rope_and_indexed_writes_bitwise(dtype):
     queries (rotated in place) and cached keys have the bits of `rope`'s kernel (what scoring
     rotates with), the values are copied, and no other slot changes — a decode step and the
     prefill alike."""
-    from policyworker.model.attention import Rotary
+    from policyworker.model.attention.rotary import Rotary
     from policyworker.ops.rope import rope, rope_into_cache
 
     rotary = Rotary()

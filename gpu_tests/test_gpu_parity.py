@@ -126,7 +126,7 @@ def test_varlen_flash_grouped_heads_gradients_match_reference():
     gradients of q, k, v agree with the exact fp32 reference within bf16 rounding."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from policyworker.model.attention import _varlen_cuda, _varlen_reference
+    from policyworker.model.attention.kernels import varlen_cuda, varlen_reference
 
     torch.manual_seed(0)
     cu = torch.tensor([0, 37, 42, 162, 700], dtype=torch.int32, device="cuda")
@@ -135,9 +135,9 @@ def test_varlen_flash_grouped_heads_gradients_match_reference():
     half = [torch.randn(s, device="cuda").bfloat16().requires_grad_() for s in shapes]
     exact = [x.detach().float().requires_grad_() for x in half]  # the same values, in fp32
     grad = torch.randn(700, 8, 64, device="cuda").bfloat16()
-    ref = _varlen_reference(*exact, cu, 0.125)
+    ref = varlen_reference(*exact, cu, 0.125)
     want = [ref, *torch.autograd.grad(ref, exact, grad.float())]
-    out = _varlen_cuda(*half, cu, cu, params, 0.125)
+    out = varlen_cuda(*half, cu, cu, params, 0.125)
     got = [out, *torch.autograd.grad(out, half, grad)]
     rel = [
         ((g.float() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True)
@@ -153,7 +153,7 @@ def test_one_sequence_pack_takes_sdpa_and_matches_reference():
     rounding, and with the varlen kernel on the same pack."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from policyworker.model.attention import _one_sequence, _varlen_cuda, _varlen_reference
+    from policyworker.model.attention.kernels import one_sequence, varlen_cuda, varlen_reference
 
     torch.manual_seed(0)
     t = 1100  # bucketed to 2048 tokens
@@ -163,14 +163,14 @@ def test_one_sequence_pack_takes_sdpa_and_matches_reference():
     half = [torch.randn(s, device="cuda").bfloat16().requires_grad_() for s in shapes]
     exact = [x.detach().float().requires_grad_() for x in half]
     grad = torch.randn(t, 8, 64, device="cuda").bfloat16()
-    ref = _varlen_reference(*exact, cu, 0.125)
+    ref = varlen_reference(*exact, cu, 0.125)
     want = [ref, *torch.autograd.grad(ref, exact, grad.float())]
-    out = _one_sequence(*half, 0.125)
+    out = one_sequence(*half, 0.125)
     got = [out, *torch.autograd.grad(out, half, grad)]
     rel = [
         ((g.float() - w).abs().max() / w.abs().max()).item() for g, w in zip(got, want, strict=True)
     ]
-    varlen = _varlen_cuda(*half, cu, cu, params, 0.125)
+    varlen = varlen_cuda(*half, cu, cu, params, 0.125)
     RESULTS["one_sequence_sdpa_bf16_vs_fp32_rel"] = dict(
         zip(("out", "dq", "dk", "dv"), rel, strict=True)
     )
@@ -256,7 +256,8 @@ def test_fused_rope_equals_eager_and_makes_no_temporaries():
     """RoPE on the GPU (one Triton pass, `ops.rope`) equals the eager CPU arithmetic in fp32, and in
     bf16 within one rounding, gradients too; its forward allocates its output and nothing
     else of the queries' size (eager: three temporaries more)."""
-    from policyworker.model.attention import Rotary, rope
+    from policyworker.model.attention.rotary import Rotary, rotate_for
+    from policyworker.ops.rope import rope
 
     rotary = Rotary()
     rotary.inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
@@ -268,7 +269,8 @@ def test_fused_rope_equals_eager_and_makes_no_temporaries():
         out = {}
         for device in ("cpu", "cuda"):
             xi = x.to(device, dtype, copy=True).requires_grad_()
-            y = rotary(xi, positions.to(device))
+            rotary.rotate = rotate_for(torch.device(device))
+            y = rotary(xi, rotary.angles(positions.to(device), dtype))
             y.backward(grad.to(device, dtype))
             out[device] = [y.detach().float().cpu(), xi.grad.float().cpu()]
         errs = [
@@ -343,7 +345,7 @@ def test_context_parallel_flash_blocks_equal_the_masked_reference(rank):
     """One CP=2 rank's attention blocks of a packed layout (three sequences), bf16: the flash
     varlen call equals one masked SDPA per block (outputs and gradients), i.e. flash aligns its
     causal mask to the lower right for blocks with fewer queries than keys."""
-    from policyworker.model.attention import _context_blocks_cuda, _context_blocks_reference
+    from policyworker.model.attention.kernels import context_blocks_cuda, context_blocks_reference
     from policyworker.parallel.context import ContextSplit
 
     split = ContextSplit(rank=rank, size=2, group=None, padded=(64, 256, 1024))  # type: ignore[arg-type]
@@ -354,7 +356,7 @@ def test_context_parallel_flash_blocks_equal_the_masked_reference(rank):
     inputs = [torch.randn(s, generator=g, device="cuda", dtype=torch.bfloat16) for s in shapes]
     w = torch.randn(t, 8, 64, generator=g, device="cuda", dtype=torch.bfloat16)
     got = {}
-    for name, kernel in (("flash", _context_blocks_cuda), ("masked", _context_blocks_reference)):
+    for name, kernel in (("flash", context_blocks_cuda), ("masked", context_blocks_reference)):
         q, k, v = (x.clone().requires_grad_() for x in inputs)
         out = kernel(q, k, v, plan, 0.125)
         (out.float() * w).sum().backward()

@@ -32,7 +32,7 @@ from policyworker.model.hf_config import (
     load_hf_config,
     model_shape,
 )
-from policyworker.model.kv_cache import DECODE
+from policyworker.model.paths import ForwardPaths, choose_paths
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.replay import Replay
 from policyworker.model.routing import RouteCounts
@@ -68,6 +68,8 @@ class Parts:
     groups: Groups
     device: torch.device
     dtype: torch.dtype
+    paths: ForwardPaths
+    """What every forward of the model runs (attention per phase, generation's matmul rows)."""
 
 
 @dataclass(slots=True)
@@ -121,14 +123,23 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
     cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = _DTYPES[config.precision]
+    paths = choose_paths(
+        device,
+        dtype,
+        batch_invariant=config.batch_invariant,
+        decode_attention=config.generation.decode_attention,
+    )
     return Parts(
         cfg=config,
         hf_config=hf_config,
         shape=shape,
         dims=dims,
         groups=groups,
-        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
-        dtype=_DTYPES[config.precision],
+        device=device,
+        dtype=dtype,
+        paths=paths,
     )
 
 
@@ -149,7 +160,7 @@ def build_state(
         moe=config.moe,
         recompute=config.recompute,
         mlp_chunk_tokens=config.logprob_chunk_size,
-        batch_invariant=config.batch_invariant,
+        paths=w.paths,
     )
     if hf_weights is not None:
         load_hf_weights(
@@ -276,6 +287,7 @@ def build_collector(
         max_seq_len=w.cfg.max_total_sequence_length,
         default_mbs=w.cfg.logprob_batch_size,
         routes=routers,
+        paths=w.paths,
     )
 
 
@@ -303,8 +315,7 @@ def build_sampler(
         routes=routes,
         local=whole,
         graphs=gen.cuda_graphs and w.device.type == "cuda" and whole,
-        decode=DECODE[gen.decode_attention],
-        invariant=w.cfg.batch_invariant,
+        paths=w.paths,
     )
     return Sampler(
         decoder,

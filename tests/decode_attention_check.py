@@ -13,7 +13,7 @@ import sys
 import interpreter  # noqa: F401  (first: Triton in its interpreter)
 import torch
 
-from policyworker.model.kv_cache import _masked_grouped
+from policyworker.model.attention.cached import masked_grouped
 from policyworker.ops.decode_attention import decode_attention, splits_for
 
 CASES = [  # dtype, rows, query heads, key heads, head dim, capacity, positions
@@ -41,7 +41,7 @@ def main() -> None:
         for row, p in enumerate(positions):
             clean_k[row, :, p + 1 :] = 0
             clean_v[row, :, p + 1 :] = 0
-        want = _masked_grouped(q[:, :, None].float(), clean_k, clean_v, pos[None, :], dim**-0.5)
+        want = masked_grouped(q[:, :, None].float(), clean_k, clean_v, pos[None, :], dim**-0.5)
         err = (got.float() - want[:, :, 0]).abs().max().item()
         splits = splits_for(b, groups, capacity, q.device)
         print(

@@ -3,11 +3,11 @@
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from policyworker.model.attention import (
-    _one_sequence,
-    _varlen_reference,
+from policyworker.model.attention.kernels import (
     bucketed_length,
     causal_sdpa,
+    one_sequence,
+    varlen_reference,
 )
 
 
@@ -20,7 +20,7 @@ def test_thd_reference_matches_per_sequence_padded_sdpa():
     k = torch.randn(total, groups, dim)
     v = torch.randn(total, groups, dim)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    out = _varlen_reference(q, k, v, cu, scale=dim**-0.5)
+    out = varlen_reference(q, k, v, cu, scale=dim**-0.5)
     for start, n in zip(cu[:-1].tolist(), lengths, strict=True):
         qs, ks, vs = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
         ks, vs = ks.repeat_interleave(2, 0), vs.repeat_interleave(2, 0)
@@ -56,13 +56,13 @@ def test_bucketed_causal_sdpa_equals_plain_values_and_gradients():
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_one_sequence_pack_equals_the_varlen_reference():
+def test_one_sequence_pack_equals_thevarlen_reference():
     torch.manual_seed(0)
     t = 300
     q, k, v = (torch.randn(t, h, 8) for h in (4, 2, 2))
     cu = torch.tensor([0, t])
-    want = _varlen_reference(q, k, v, cu, 0.3)
-    torch.testing.assert_close(_one_sequence(q, k, v, 0.3), want, rtol=0, atol=1e-6)
+    want = varlen_reference(q, k, v, cu, 0.3)
+    torch.testing.assert_close(one_sequence(q, k, v, 0.3), want, rtol=0, atol=1e-6)
 
 
 def test_packed_forward_through_megatron_matches_padded(llama_dir):
@@ -93,7 +93,7 @@ def test_the_context_plans_varlen_description_is_the_block_attention():
     lower right, as flash does for fewer queries than keys — equals the exact per-block path,
     for both ranks of CP=2 over three packed sequences; and the RoPE positions are each local
     token's position in its sequence."""
-    from policyworker.model.attention import _context_blocks_reference
+    from policyworker.model.attention.kernels import context_blocks_reference
     from policyworker.parallel.context import ContextSplit, local_positions
 
     padded, dim = (8, 4, 12), 8
@@ -103,7 +103,7 @@ def test_the_context_plans_varlen_description_is_the_block_attention():
         split = ContextSplit(rank=rank, size=2, group=None, padded=padded)  # type: ignore[arg-type]
         plan = split.plan(torch.device("cpu"))
         query = torch.randn(12, 4, dim)
-        want = _context_blocks_reference(query, key, value, plan, dim**-0.5)
+        want = context_blocks_reference(query, key, value, plan, dim**-0.5)
         k_all, v_all = key[plan.key_index], value[plan.key_index]
         cu_q, cu_k = plan.cu_q.tolist(), plan.cu_k.tolist()
         for j in range(len(plan.blocks)):

@@ -10,7 +10,7 @@ from test_moe import _worker_grads
 
 from policyworker.config import RecomputeConfig, SequencePackingConfig
 from policyworker.losses import NLLLoss
-from policyworker.model.attention import SDPACoreAttention
+from policyworker.model.attention.core import CoreAttention
 
 RECOMPUTE = {
     "off": RecomputeConfig(),
@@ -58,7 +58,7 @@ def _count_attention_forwards(worker) -> list[int]:
         count[0] += 1
 
     for module in worker.state.model.modules():
-        if isinstance(module, SDPACoreAttention):
+        if isinstance(module, CoreAttention):
             module.register_forward_hook(hook)
     return count
 

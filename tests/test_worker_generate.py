@@ -12,7 +12,7 @@ from helpers import make_hf_model
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.memory.residency import PhaseError
-from policyworker.model.attention import SDPACoreAttention
+from policyworker.model.attention.core import CoreAttention
 
 EOS = 7
 LENGTHS = [5, 3, 7, 1]
@@ -199,8 +199,10 @@ def test_bad_input_is_a_value_error_naming_the_field(worker, folder):
 def test_the_kv_cache_is_gone_after_a_call_and_generation_needs_the_params(folder):
     w = make_worker(folder, generation={"max_new_tokens": 3})
     w.generate(data=prompts())
-    cores = [m for m in w.state.model.modules() if isinstance(m, SDPACoreAttention)]
-    assert cores and all(c.kv_cache is None for c in cores)
+    cores = [m for m in w.state.model.modules() if isinstance(m, CoreAttention)]
+    paths = w.collector.paths  # the model's phases: training is back, the cache's phase gone
+    assert cores and all(c.switch is paths.switch for c in cores)
+    assert paths.switch.now is paths.training
     w.offload_after_refit()
     with pytest.raises(PhaseError, match="generate"):
         w.generate(data=prompts())

@@ -3,7 +3,7 @@ conversion and no refit, so its logprobs are the training forward's (`ops.sampli
 
 Our own decode loop over our layer spec, not megatron's inference engines: the dynamic engine
 needs flash-attn (not available here), and the static one caches keys before RoPE, which in our
-model is applied inside the core attention (`model.kv_cache` says how the cache lives there).
+model is applied inside the core attention (`model/attention/cached.py`: the cache's phase).
 Each step is one forward through megatron's pipeline schedule (forward only, one micro-batch:
 the whole batch), so TP and PP work as in `get_logprobs`; the last stage gathers the step's
 logits over TP, draws the tokens and broadcasts them to the other stages. Rows finish at
@@ -28,16 +28,10 @@ from megatron.core.utils import get_model_config, unwrap_model
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import ROUTES, check_row_ids, validate_batch
 from policyworker.generation.graphs import GraphedStep
-from policyworker.model.batch_invariant import min_rows, pad_rows
+from policyworker.model.attention.cache import Step
+from policyworker.model.attention.cached import Generating
 from policyworker.model.build import output_head, set_mode
-from policyworker.model.kv_cache import (
-    INVARIANT_DECODE,
-    DecodeAttention,
-    KVCache,
-    Step,
-    attached,
-    sdpa_decode,
-)
+from policyworker.model.paths import ForwardPaths
 from policyworker.model.replay import Replay
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits
 from policyworker.ops.sampling import Sampling, next_tokens
@@ -80,18 +74,14 @@ class Decoder:
     """This rank's vocabulary slice and the true vocabulary (the temperature is `Sampling`'s)."""
     max_seq_len: int
     pad_id: int
+    paths: ForwardPaths
+    """The model's phases: generation's attention kernels and matmul rows (`model/paths.py`)."""
     routes: Routes | None = None
     local: bool = False
     """The whole model runs on this rank (no TP, PP, CP or experts): decode steps run without
     the pipeline schedule, the host one step behind the device (`_Run._decode_local`)."""
     graphs: bool = False
     """Decode steps as CUDA graph replays (`generation.graphs`): a `local` model on a GPU."""
-    decode: DecodeAttention = sdpa_decode
-    """A decode step's attention over the cache (`generation.decode_attention`)."""
-    invariant: bool = False
-    """`batch_invariant`: the prefill's attention is `attention_rows`, a decode step's is
-    `INVARIANT_DECODE` (not `decode`), and every matmul of a step runs on at least `MIN_ROWS`
-    rows."""
 
     def check(self, data: BatchedDataDict, stops: Stops) -> None:
         """A generation batch: right-padded prompts with room for a new token; stop strings
@@ -139,30 +129,27 @@ class Decoder:
             self, ids, lengths, limits, how, stops, seed, row_ids.to(self.device, torch.long)
         )
         set_mode(self.model, training=False)
-        decode = INVARIANT_DECODE if self.invariant else self.decode
-        cache = KVCache(capacity, decode, rows=self.invariant)
-        padded = min_rows(self.model) if self.invariant else contextlib.nullcontext()
         try:
             with (
                 torch.no_grad(),
                 _no_sequence_parallel(self.model),
-                attached(self.model, cache),
-                padded,
+                self.paths.generating(self.model, capacity) as phase,
             ):
-                run.loop(cache)
+                run.loop(phase)
         finally:
             if self.routes is not None:
                 self.routes.replay.reset()
         return run.result()
 
     def forward(
-        self, ids: torch.Tensor, step: Step, pick: torch.Tensor, padding: torch.Tensor
+        self, ids: torch.Tensor, phase: Generating, pick: torch.Tensor, padding: torch.Tensor
     ) -> torch.Tensor | None:
-        """One step through the pipeline: the logits [B, V] (the whole vocabulary) at
-        positions `pick` [B] of `ids` [B, s] on the last stage; None on the others."""
+        """One step (`phase.step`) through the pipeline: the logits [B, V] (the whole
+        vocabulary) at positions `pick` [B] of `ids` [B, s] on the last stage; None on the
+        others."""
         model = self.model
         extra = {"padding_mask": padding} if self.routes is not None else {}
-        positions = step.starts[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        positions = phase.locate(ids.shape[1]).T
         if self.routes is not None:  # the routers choose, and record what they chose
             self.routes.replay.begin(None, None, training=False)
 
@@ -188,11 +175,11 @@ class Decoder:
         return stores[0]["logits"] if stores else None
 
     def forward_local(
-        self, ids: torch.Tensor, starts: torch.Tensor, pick: torch.Tensor
+        self, ids: torch.Tensor, phase: Generating, pick: torch.Tensor
     ) -> torch.Tensor:
         """`forward` of a model whole on this rank, without the pipeline schedule (what a CUDA
         graph captures); the model's parameters must be current (no pending gathers)."""
-        positions = starts[:, None] + torch.arange(ids.shape[1], device=ids.device)
+        positions = phase.locate(ids.shape[1]).T
         head = unwrap_model(self.model)(ids, positions, None, output_processor=output_head)
         return self._logits(head, pick)
 
@@ -202,8 +189,7 @@ class Decoder:
         its logits (an fp32 copy here was two more passes over [B, V] a step)."""
         rows = head.hidden.shape[0]
         hidden = head.hidden[torch.arange(rows, device=pick.device), pick]
-        if self.invariant:
-            hidden = pad_rows(hidden)
+        hidden = self.paths.generation.rows.pad(hidden)
         return full_logits(Head(hidden[:, None], head.weight), self.logits)[:rows, 0]
 
 
@@ -233,31 +219,31 @@ class _Run:
         self.route_rows: torch.Tensor | None = None
         self.stop_ids = torch.tensor(stops.token_ids, dtype=torch.long)
 
-    def loop(self, cache: KVCache) -> None:
+    def loop(self, phase: Generating) -> None:
         d, b, width = self.d, self.ids.shape[0], self.ids.shape[1]
-        device = d.device
+        device, cache = d.device, phase.cache
         lengths = self.lengths.to(device)
         starts = torch.zeros(b, dtype=torch.long, device=device)
-        cache.step = Step(starts=starts, keys_used=width, prefill=True)
+        phase.begin(Step(starts=starts, keys_used=width, prefill=True))
         padding = torch.arange(width, device=device)[None, :] >= lengths[:, None]
-        logits = d.forward(self.ids, cache.step, lengths - 1, padding)
-        self._record_routes(cache, (b, width))
+        logits = d.forward(self.ids, phase, lengths - 1, padding)
+        self._record_routes(phase, (b, width))
         self._advance(logits)
         if d.local:
-            self._decode_local(cache, lengths, width)
+            self._decode_local(phase, lengths, width)
             return
         step = 1
         while self._any_active():
             feed = self.tokens[-1].to(device)[:, None]
             starts = torch.clamp(lengths + step - 1, max=cache.capacity - 1)
-            cache.step = Step(starts=starts, keys_used=cache.reach(width + step), prefill=False)
+            phase.begin(Step(starts=starts, keys_used=cache.reach(width + step), prefill=False))
             done = self.done.to(device)[:, None]  # a done row's token is padding
-            logits = d.forward(feed, cache.step, torch.zeros_like(starts), done)
-            self._record_routes(cache, (b, 1))
+            logits = d.forward(feed, phase, torch.zeros_like(starts), done)
+            self._record_routes(phase, (b, 1))
             self._advance(logits)
             step += 1
 
-    def _decode_local(self, cache: KVCache, lengths: torch.Tensor, width: int) -> None:
+    def _decode_local(self, phase: Generating, lengths: torch.Tensor, width: int) -> None:
         """The decode steps of a `local` model with the host one step behind: step s+1 is
         queued — fed step s's tokens on the device — before the host reads step s's draw back
         for its bookkeeping (stop tokens and strings, counts, which rows are done), so the
@@ -265,24 +251,25 @@ class _Run:
         of padding: rows do not mix, and its output is padding either way. With `graphs` each
         forward is one replay of a CUDA graph captured at the first step. The step queued past
         the last row's end is dropped."""
-        d, device, b = self.d, self.d.device, self.ids.shape[0]
+        d, device, b, cache = self.d, self.d.device, self.ids.shape[0], phase.cache
         feed = self.tokens[-1][:, None].to(device, copy=True)  # written each step: not a view
         pick = torch.zeros_like(lengths)
-        cache.step = Step(starts=lengths.clone(), keys_used=cache.capacity, prefill=False)
+        now = Step(starts=lengths.clone(), keys_used=cache.capacity, prefill=False)
+        phase.begin(now)  # one step for every queued forward, its starts written in place
         pinned = device.type == "cuda"  # the draw's copy back must not block the host
         out = [torch.zeros(3, b, dtype=torch.float64, pin_memory=pinned) for _ in range(2)]
         graph: GraphedStep | None = None
 
         def queue(step: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
             nonlocal graph
-            torch.clamp(lengths + step - 1, max=cache.capacity - 1, out=cache.step.starts)
+            torch.clamp(lengths + step - 1, max=cache.capacity - 1, out=now.starts)
             if d.graphs:
                 if graph is None:  # captured at the first step (its warm-up writes the same keys)
-                    graph = GraphedStep(lambda: d.forward_local(feed, cache.step.starts, pick))
+                    graph = GraphedStep(lambda: d.forward_local(feed, phase, pick))
                 logits = graph.replay()
             else:
-                cache.step.keys_used = cache.reach(width + step)
-                logits = d.forward_local(feed, cache.step.starts, pick)
+                now.keys_used = cache.reach(width + step)
+                logits = d.forward_local(feed, phase, pick)
             draw = self._draw(logits)
             feed.copy_(draw[0, :, None])
             drawn = out[step % 2]  # step s-1's buffer was read before step s+1 is queued
@@ -363,7 +350,7 @@ class _Run:
             active = bool(flag.item())
         return active
 
-    def _record_routes(self, cache: KVCache, shape: tuple[int, int]) -> None:
+    def _record_routes(self, phase: Generating, shape: tuple[int, int]) -> None:
         routes = self.d.routes
         if routes is None:
             return
@@ -371,9 +358,10 @@ class _Run:
         routes.replay.end_forward()
         if self.route_rows is None:
             b = shape[0]
-            self.route_rows = torch.full((b, cache.capacity, *used.shape[2:]), -1, dtype=torch.long)
-        assert cache.step is not None
-        starts = cache.step.starts.cpu()
+            capacity = phase.cache.capacity
+            self.route_rows = torch.full((b, capacity, *used.shape[2:]), -1, dtype=torch.long)
+        assert phase.step is not None
+        starts = phase.step.starts.cpu()
         for j in range(shape[1]):
             self.route_rows[torch.arange(shape[0]), starts + j] = used[:, j]
 

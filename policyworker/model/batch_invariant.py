@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,17 +47,44 @@ class _Padded:
         return y[: self.shape.numel()].reshape(*self.shape, y.shape[-1]), bias
 
 
-@contextlib.contextmanager
-def min_rows(model: torch.nn.Module) -> Iterator[None]:
-    """Every megatron linear layer of `model` runs on at least `MIN_ROWS` rows until exit."""
-    handles = []
-    for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
-            hooks = _Padded()
-            handles.append(module.register_forward_pre_hook(hooks.before))
-            handles.append(module.register_forward_hook(hooks.after))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+class Rows(Protocol):
+    """The rows generation's matmuls run on (chosen once: `model/paths.py`)."""
+
+    def around(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Every megatron linear layer of `model` runs on these rows until exit."""
+        ...
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] as the rows [n', H] a matmul on it runs with (n' >= x's rows)."""
+        ...
+
+
+class AnyRows:
+    """As many rows as the input has."""
+
+    def around(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, x.shape[-1])
+
+
+class MinRows:
+    """At least `MIN_ROWS` rows (`batch_invariant`)."""
+
+    @contextlib.contextmanager
+    def around(self, model: torch.nn.Module) -> Iterator[None]:
+        handles = []
+        for module in model.modules():
+            if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+                hooks = _Padded()
+                handles.append(module.register_forward_pre_hook(hooks.before))
+                handles.append(module.register_forward_hook(hooks.after))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        return pad_rows(x)

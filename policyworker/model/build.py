@@ -41,11 +41,12 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from policyworker.config import MoEConfig, RecomputeConfig
-from policyworker.model.attention import SDPACoreAttention
+from policyworker.model.attention.core import CoreAttention
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
 from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
 from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
 from policyworker.model.norm import RMSNorm
+from policyworker.model.paths import ForwardPaths
 from policyworker.ops.logprobs import Head
 from policyworker.parallel.dims import ParallelDims
 
@@ -175,7 +176,7 @@ def _dense_layer(*, qk_norm: bool) -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=SDPACoreAttention,
+                    core_attention=CoreAttention,
                     linear_proj=RowParallelLinear,
                     q_layernorm=qk,
                     k_layernorm=qk,
@@ -206,12 +207,12 @@ def build_gpt_model(
     moe: MoEConfig | None = None,
     recompute: RecomputeConfig | None = None,
     mlp_chunk_tokens: int | None = None,
-    batch_invariant: bool = False,
+    paths: ForwardPaths,
 ) -> GPTModel:
     """A GPTModel with this rank's shard of `shape`, on the current device, weights unset; with
     `moe.freeze_moe_router` its routers take no gradient; its dense MLPs run `mlp_chunk_tokens`
-    tokens at a time in forwards without gradient (`ChunkedMLP`); with `batch_invariant` its
-    attention without gradient runs row by row (`SDPACoreAttention.rows`)."""
+    tokens at a time in forwards without gradient (`ChunkedMLP`); its attention runs the phases
+    of `paths`."""
     on_gpu = torch.cuda.is_available()
     moe = moe or MoEConfig()
     config = transformer_config(
@@ -244,10 +245,7 @@ def build_gpt_model(
     )
     # HF's frequencies (incl. llama3 scaling with its own low/high factors), not megatron's.
     inv_freq = rope_inv_freq(hf_config, shape.head_dim).to("cuda" if on_gpu else "cpu")
-    for module in model.modules():
-        if isinstance(module, SDPACoreAttention):
-            module.set_rope(inv_freq)
-            module.rows = batch_invariant
+    paths.install(model, inv_freq)
     set_chunk(model, mlp_chunk_tokens)
     for name, param in model.named_parameters():  # before DDP and the optimizer see them
         if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention
 
-from policyworker.model.attention import SDPACoreAttention
+from policyworker.model.attention.core import CoreAttention
 
 FP8_E4M3_MAX = 448.0
 KINDS = ("q", "k", "v")
@@ -40,7 +40,7 @@ class QKVAmax:
             attention = layer.self_attention
             assert isinstance(attention, SelfAttention)
             core = attention.core_attention
-            assert isinstance(core, SDPACoreAttention)
+            assert isinstance(core, CoreAttention)
             index = layer.layer_number - 1
             calls = [0]  # Rotary runs on the queries, then the keys, in each forward
 

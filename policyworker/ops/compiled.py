@@ -45,9 +45,14 @@ def cuda_compiled[F: Callable[..., Any]](fn: F) -> F:
 
 
 def triton_runs(x: torch.Tensor) -> bool:
-    """Whether our Triton kernels run on x: on a GPU, or on the CPU in Triton's interpreter
+    """Whether our Triton kernels run on x (`triton_on` its device)."""
+    return triton_on(x.device)
+
+
+def triton_on(device: torch.device) -> bool:
+    """Whether our Triton kernels run on `device`: a GPU, or the CPU in Triton's interpreter
     (`TRITON_INTERPRET=1`, the tests)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache

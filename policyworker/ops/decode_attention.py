@@ -19,7 +19,7 @@ computes one position: the same loop over the same key blocks (`_attend`) on the
 its row t is bitwise a one-split decode step at position t over the same keys — the attention
 half of a generation whose logprobs equal scoring's exactly (the rest: row-wise norms and
 elementwise ops, and GEMMs whose bits do not depend on their row count): the model's attention
-without gradient under `batch_invariant` (`model/attention.py`, `model/kv_cache.py`).
+without gradient under `batch_invariant` (`model/paths.py` chooses it).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from policyworker.losses.common import LossNeeds
 from policyworker.losses.distillation import PAYLOAD_KINDS
 from policyworker.model.build import set_mode
 from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
+from policyworker.model.paths import ForwardPaths
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
 from policyworker.train.schedule import (
@@ -45,6 +46,8 @@ class Collector:
     vocab_size: int
     max_seq_len: int
     default_mbs: int
+    paths: ForwardPaths
+    """The model's phases: collections run the scoring one (`model/paths.py`)."""
     routes: RouteSpec | None = None
     """An MoE model's routers (replay and record); None for a dense model."""
 
@@ -176,7 +179,7 @@ class Collector:
             microbatches = split_evenly(batch, self.plan, mbs, 1, self.groups, train=False)
         else:
             microbatches = self.plan.split(batch, train=False, mbs=mbs)
-        with torch.no_grad():
+        with torch.no_grad(), self.paths.scoring():
             stores = run_microbatches(
                 self.model, microbatches, fn, forward_only=True, routing=routing
             )

@@ -1,0 +1,115 @@
+"""Every forward path of a model, chosen in one place when the worker is built (`choose_paths`).
+
+A model runs in three phases: training (with gradient), scoring (`get_logprobs`, top-k,
+reference logprobs, calibration) and generating (a prefill, then decode steps over a KV cache).
+Each phase's attention is an object chosen here from the device, the dtype and the config;
+the service that runs a phase installs it (`ForwardPaths.scoring`, `.generating`), training is
+the resting phase. `batch_invariant` is one choice made here too: the scoring and prefill
+attention row by row, the decode step's attention in one split, and generation's matmuls on at
+least `MIN_ROWS` rows (`model/batch_invariant.py`) — so a generation's logprobs are bitwise its
+scores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from policyworker.model.attention.cache import KVCache
+from policyworker.model.attention.cached import (
+    CachedKernel,
+    CacheWrite,
+    FusedWrite,
+    Generating,
+    PlainWrite,
+    invariant_decode,
+    rows_prefill,
+    sdpa_decode,
+    sdpa_prefill,
+    triton_decode,
+)
+from policyworker.model.attention.core import CoreAttention, Fresh, Switch
+from policyworker.model.attention.kernels import ByRows, Exact, Flash
+from policyworker.model.attention.layout import Kernels
+from policyworker.model.attention.rotary import Rotary, rotate_for
+from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
+from policyworker.ops.compiled import triton_on
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generation:
+    """What a generate call runs: the prefill's and a decode step's attention over the cache,
+    how new keys reach the cache, and the rows its matmuls run on."""
+
+    prefill: CachedKernel
+    decode: CachedKernel
+    write: CacheWrite
+    rows: Rows
+
+
+class ForwardPaths:
+    """One model's phases. `install` wires them into a built model's attention layers."""
+
+    def __init__(
+        self,
+        *,
+        train: Kernels,
+        score: Kernels,
+        generation: Generation,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.training = Fresh(train, in_place=False)
+        self.score = Fresh(score, in_place=True)
+        self.generation = generation
+        self.rotary = Rotary(rotate_for(device))
+        """RoPE's frequencies for generation's positions (every layer has the same)."""
+        self.dtype = dtype
+        self.switch = Switch(self.training)
+
+    def install(self, model: torch.nn.Module, inv_freq: torch.Tensor) -> None:
+        """Every core attention of `model` runs this object's phases, with RoPE at `inv_freq`."""
+        self.rotary.inv_freq = inv_freq
+        for module in model.modules():
+            if isinstance(module, CoreAttention):
+                module.rotary.inv_freq, module.rotary.rotate = inv_freq, self.rotary.rotate
+                module.switch = self.switch
+
+    def scoring(self) -> contextlib.AbstractContextManager[None]:
+        """The scoring phase until exit."""
+        return self.switch.using(self.score)
+
+    @contextlib.contextmanager
+    def generating(self, model: torch.nn.Module, capacity: int) -> Iterator[Generating]:
+        """The generating phase over a fresh KV cache of `capacity` positions per row, and
+        generation's matmul rows, until exit (the cache is dropped then)."""
+        g = self.generation
+        cache = KVCache(capacity)
+        phase = Generating(cache, g.prefill, g.decode, g.write, self.rotary, self.dtype)
+        with self.switch.using(phase), g.rows.around(model):
+            yield phase
+
+
+def choose_paths(
+    device: torch.device, dtype: torch.dtype, *, batch_invariant: bool, decode_attention: str
+) -> ForwardPaths:
+    """The kernels of every phase: exact SDPA paths on the CPU and in fp32, the GPU's half
+    precision kernels in bf16/fp16; `batch_invariant` (where our Triton kernels run) scores and
+    prefills row by row and decodes in one split; `decode_attention` ("sdpa" or "triton", where
+    Triton runs) otherwise picks the decode step's kernel."""
+    triton = triton_on(device)
+    half_on_gpu = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    train: Kernels = Flash() if half_on_gpu else Exact()
+    invariant = batch_invariant and triton
+    decode: CachedKernel = triton_decode if decode_attention == "triton" and triton else sdpa_decode
+    generation = Generation(
+        prefill=rows_prefill if invariant else sdpa_prefill,
+        decode=invariant_decode if invariant else decode,
+        write=FusedWrite() if triton else PlainWrite(),
+        rows=MinRows() if batch_invariant else AnyRows(),
+    )
+    score = ByRows() if invariant else train
+    return ForwardPaths(train=train, score=score, generation=generation, device=device, dtype=dtype)
