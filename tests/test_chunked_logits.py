@@ -228,23 +228,27 @@ def test_no_more_than_one_chunk_of_the_mlp_without_grad(tmp_path, packed):
 
 
 def test_rope_without_grad_rotates_in_place_a_chunk_at_a_time(monkeypatch):
-    """In eval mode without gradient, RoPE over more rows than `IN_PLACE_ROWS` writes over its
-    input and makes nothing of more than a chunk's head vectors (the whole input has 21 · 4;
-    cos and sin have one per row); the values are those of the out-of-place RoPE that autograd
-    gets. In training mode (a recomputed layer's gradient-free first pass) it leaves its input
-    alone."""
-    from policyworker.model import attention
+    """Scoring's RoPE over more rows than `IN_PLACE_ROWS` writes over its input and makes
+    nothing of more than a chunk's head vectors (the whole input has 21 · 4; cos and sin have one
+    per row); the values are those of the out-of-place RoPE that autograd gets. Training's (a
+    recomputed layer's gradient-free first pass, say) leaves its input alone: the phases say
+    which (`model/paths.py`)."""
+    from policyworker.model.attention import rotary as rotary_module
+    from policyworker.model.paths import choose_paths
 
-    monkeypatch.setattr(attention, "IN_PLACE_ROWS", 8)
-    rotary = attention.Rotary()
+    cpu = torch.device("cpu")
+    paths = choose_paths(cpu, torch.float32, batch_invariant=False, decode_attention="sdpa")
+    assert paths.score.in_place and not paths.training.in_place
+    monkeypatch.setattr(rotary_module, "IN_PLACE_ROWS", 8)
+    rotary = rotary_module.Rotary()
     rotary.inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
     x = torch.randn(21, 4, 16)
-    positions = torch.arange(21)[:, None]
-    want = rotary.eval()(x.clone().requires_grad_(), positions).detach()
+    angles = rotary.angles(torch.arange(21)[:, None], x.dtype)
+    want = rotary(x.clone().requires_grad_(), angles).detach()
     with torch.no_grad():
-        assert rotary.train()(x, positions) is not x  # a recompute's first pass, say
+        assert rotary(x, angles, paths.training.in_place) is not x
         with _LogitRows(16) as probe:  # head vectors: tensors 16 wide
-            got = rotary.eval()(x, positions)
+            got = rotary(x, angles, paths.score.in_place)
     assert got is x and torch.equal(got, want)
     assert probe.rows <= 8 * 4  # a chunk of 8 rows of 4 heads
 
@@ -253,7 +257,7 @@ def test_rope_without_grad_rotates_in_place_a_chunk_at_a_time(monkeypatch):
 def test_worker_results_with_rope_in_place_are_unchanged(tmp_path, monkeypatch, packed):
     """get_logprobs and top-k with RoPE in place (every forward of more than 8 tokens) equal
     those without: nothing reads megatron's queries and keys after attention."""
-    from policyworker.model import attention
+    from policyworker.model.attention import rotary
 
     folder = make_hf_model(tmp_path / "m", "llama")
     data = make_batch(batch=4, seq=24)
@@ -261,7 +265,7 @@ def test_worker_results_with_rope_in_place_are_unchanged(tmp_path, monkeypatch, 
     worker = make_worker(folder, sequence_packing=packing)
     out = {}
     for rows in (10**9, 8):
-        monkeypatch.setattr(attention, "IN_PLACE_ROWS", rows)
+        monkeypatch.setattr(rotary, "IN_PLACE_ROWS", rows)
         topk = worker.get_topk_logits(data=data, k=3)
         out[rows] = (worker.get_logprobs(data=data)["logprobs"], topk["topk_logits"])
     worker.shutdown()
