@@ -21,9 +21,10 @@ from policyworker.compat import finalize
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.microbatch import MicrobatchPlan, build_plan
-from policyworker.generation.decode import Decoder, Routes
+from policyworker.generation.decode import Decoder
 from policyworker.generation.sampler import Sampler
 from policyworker.memory.residency import Residency
+from policyworker.model.balance import balance_of
 from policyworker.model.build import build_gpt_model, global_named_parameters
 from policyworker.model.hf_config import (
     ModelShape,
@@ -34,8 +35,7 @@ from policyworker.model.hf_config import (
 )
 from policyworker.model.paths import ForwardPaths, choose_paths
 from policyworker.model.reference import ReferenceWeights
-from policyworker.model.replay import Replay
-from policyworker.model.routing import RouteCounts
+from policyworker.model.routers import Routers
 from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_hf_weights
 from policyworker.ops.logprobs import LogitOptions
 from policyworker.ops.sampling import pad_token
@@ -50,7 +50,6 @@ from policyworker.train.optimizer import (
     wrap_ddp,
 )
 from policyworker.train.overlap import Overlap
-from policyworker.train.schedule import RouteSpec
 from policyworker.train.teacher import TeacherHeads, VocabSlice
 from policyworker.train.trainer import Trainer, TrainSettings
 
@@ -224,7 +223,7 @@ def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency
 
 
 def build_trainer(
-    w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: RouteSpec | None
+    w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: Routers | None
 ) -> Trainer | None:
     """The optimizer step's owner (None for a worker without an optimizer)."""
     if state.ddp is None:
@@ -239,11 +238,6 @@ def build_trainer(
         max_seq_len=c.max_total_sequence_length,
         router_replay=c.moe.router_replay,
     )
-    moe = w.shape.moe
-    routes = None
-    if moe is not None:
-        layers, experts = w.shape.num_layers, moe.num_experts
-        routes = RouteCounts(state.model, num_layers=layers, num_experts=experts)
     return Trainer(
         ddp=state.ddp,
         optimizer=state.optimizer,
@@ -254,8 +248,7 @@ def build_trainer(
         device=w.device,
         settings=settings,
         teachers=teacher_heads(w),
-        routes=routes,
-        replay=routers,
+        routers=routers,
         overlap=state.overlap,
     )
 
@@ -275,7 +268,7 @@ def teacher_heads(w: Parts) -> TeacherHeads:
 
 
 def build_collector(
-    w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: RouteSpec | None
+    w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: Routers | None
 ) -> Collector:
     return Collector(
         model=state.forward_model,
@@ -286,13 +279,13 @@ def build_collector(
         vocab_size=w.shape.vocab_size,
         max_seq_len=w.cfg.max_total_sequence_length,
         default_mbs=w.cfg.logprob_batch_size,
-        routes=routers,
+        routers=routers,
         paths=w.paths,
     )
 
 
 def build_sampler(
-    w: Parts, state: PolicyState, routers: RouteSpec | None, tokenizer: Any | None
+    w: Parts, state: PolicyState, routers: Routers | None, tokenizer: Any | None
 ) -> Sampler:
     """`generate`'s loop on the forward model; stops at the model's (and tokenizer's) EOS."""
     eos = getattr(w.hf_config, "eos_token_id", None)
@@ -301,10 +294,6 @@ def build_sampler(
         eos_ids |= {tokenizer.eos_token_id} - {None}
     d, gen = w.dims, w.cfg.generation
     whole = d.tp == d.pp == d.cp == 1 and routers is None  # one GPU runs the whole model
-    routes = None
-    if routers is not None:
-        routes = Routes(replay=routers.replay_layers, num_layers=routers.num_layers,
-                        topk=routers.topk)  # fmt: skip
     decoder = Decoder(
         model=state.forward_model,
         groups=w.groups,
@@ -312,7 +301,7 @@ def build_sampler(
         logits=logit_options(w),
         max_seq_len=w.cfg.max_total_sequence_length,
         pad_id=pad_token(w.hf_config, tokenizer),
-        routes=routes,
+        routers=routers,
         local=whole,
         graphs=gen.cuda_graphs and w.device.type == "cuda" and whole,
         paths=w.paths,
@@ -327,18 +316,16 @@ def build_sampler(
     )
 
 
-def build_routers(w: Parts, state: PolicyState) -> RouteSpec | None:
-    """An MoE model's routers, each given our extension (`model/replay.py`: replay, balancing
-    losses); None for a dense model."""
+def build_routers(w: Parts, state: PolicyState) -> Routers | None:
+    """An MoE model's routers, each given our extension (`model/routers.py`: replay, the
+    balancing loss, token counts, recorded routes); None for a dense model."""
     moe = w.shape.moe
     if moe is None:
         return None
-    balance = w.cfg.moe.balance
-    coeff = None if balance == "none" else w.cfg.moe.moe_aux_loss_coeff
-    replay = Replay(state.model, moe_layers=moe.layers, balance_coeff=coeff)
-    return RouteSpec(
-        replay_layers=replay,
-        num_layers=sum(moe.layers),
+    balance = balance_of(w.cfg.moe.balance, w.cfg.moe.moe_aux_loss_coeff)
+    return Routers(
+        state.model,
+        moe_layers=moe.layers,
         topk=moe.top_k,
         experts=moe.num_experts,
         balance=balance,

@@ -32,7 +32,7 @@ from policyworker.model.attention.cache import Step
 from policyworker.model.attention.cached import Generating
 from policyworker.model.build import output_head, set_mode
 from policyworker.model.paths import ForwardPaths
-from policyworker.model.replay import Replay
+from policyworker.model.routers import Routers
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits
 from policyworker.ops.sampling import Sampling, next_tokens
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
@@ -55,15 +55,6 @@ class Stops:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Routes:
-    """An MoE model's routers, whose choices a generation records (`routed_experts`)."""
-
-    replay: Replay
-    num_layers: int
-    topk: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class Decoder:
     """What generation runs on: the model, this rank's groups, the vocabulary and context."""
 
@@ -76,7 +67,8 @@ class Decoder:
     pad_id: int
     paths: ForwardPaths
     """The model's phases: generation's attention kernels and matmul rows (`model/paths.py`)."""
-    routes: Routes | None = None
+    routers: Routers | None = None
+    """An MoE model's routers, whose choices a generation records (`routed_experts`)."""
     local: bool = False
     """The whole model runs on this rank (no TP, PP, CP or experts): decode steps run without
     the pipeline schedule, the host one step behind the device (`_Run._decode_local`)."""
@@ -137,8 +129,8 @@ class Decoder:
             ):
                 run.loop(phase)
         finally:
-            if self.routes is not None:
-                self.routes.replay.reset()
+            if self.routers is not None:
+                self.routers.reset()
         return run.result()
 
     def forward(
@@ -148,10 +140,10 @@ class Decoder:
         vocabulary) at positions `pick` [B] of `ids` [B, s] on the last stage; None on the
         others."""
         model = self.model
-        extra = {"padding_mask": padding} if self.routes is not None else {}
+        extra = {"padding_mask": padding} if self.routers is not None else {}
         positions = phase.locate(ids.shape[1]).T
-        if self.routes is not None:  # the routers choose, and record what they chose
-            self.routes.replay.begin(None, None, training=False)
+        if self.routers is not None:  # the routers choose, and record what they chose
+            self.routers.begin(None, None, training=False)
 
         def forward_step(data_iterator: Iterator[None], model: torch.nn.Module) -> Any:
             next(data_iterator)
@@ -344,18 +336,18 @@ class _Run:
     def _any_active(self) -> bool:
         active = bool((~self.done).any())  # host state: no device round trip per step
         # an expert-parallel forward exchanges tokens with every EP rank: step together
-        if self.d.routes is not None and self.d.groups.ep_size > 1:
+        if self.d.routers is not None and self.d.groups.ep_size > 1:
             flag = torch.tensor([int(active)], device=self.d.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.d.groups.dp)
             active = bool(flag.item())
         return active
 
     def _record_routes(self, phase: Generating, shape: tuple[int, int]) -> None:
-        routes = self.d.routes
-        if routes is None:
+        routers = self.d.routers
+        if routers is None:
             return
-        used = routes.replay.recorded(shape, routes.num_layers, routes.topk).cpu()
-        routes.replay.end_forward()
+        used = routers.recorded(shape).cpu()
+        routers.end_forward()
         if self.route_rows is None:
             b = shape[0]
             capacity = phase.cache.capacity

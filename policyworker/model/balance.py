@@ -15,12 +15,71 @@ that shares it, and each rank's term covers its own tokens (their sum is the who
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 
 BALANCE_TYPES = ("none", "aux_loss", "seq_aux_loss")
+
+
+class Segmented(Protocol):
+    """A micro-batch, as far as balancing needs it (`data.microbatch.Microbatch`)."""
+
+    def segments(self, per_sequence: bool) -> tuple[torch.Tensor, int]: ...
+
+
+class Balance(Protocol):
+    """The load-balancing loss a model's routers add to a training forward (chosen once:
+    `balance_of`)."""
+
+    coeff: float
+    adds_loss: ClassVar[bool]
+
+    def segments(self, mb: Segmented) -> tuple[torch.Tensor, int] | None:
+        """The micro-batch's segments [b, t] and their number (None: no loss)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class NoBalance:
+    """No load-balancing loss."""
+
+    coeff: float = 0.0
+    adds_loss: ClassVar[bool] = False
+
+    def segments(self, mb: Segmented) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class AuxLoss:
+    """`aux_loss`: over each micro-batch's tokens (megatron's and the reference's)."""
+
+    coeff: float
+    adds_loss: ClassVar[bool] = True
+
+    def segments(self, mb: Segmented) -> tuple[torch.Tensor, int]:
+        return mb.segments(per_sequence=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqAuxLoss:
+    """`seq_aux_loss`: over each sequence's tokens (megatron's `seq_aux_loss` assumes [S, B]
+    rows and would treat a packed bin as one sequence; this does not)."""
+
+    coeff: float
+    adds_loss: ClassVar[bool] = True
+
+    def segments(self, mb: Segmented) -> tuple[torch.Tensor, int]:
+        return mb.segments(per_sequence=True)
+
+
+def balance_of(kind: str, coeff: float) -> Balance:
+    """`moe.balance` (one of `BALANCE_TYPES`, checked by the config) as its type."""
+    variants = {"none": NoBalance, "aux_loss": AuxLoss, "seq_aux_loss": SeqAuxLoss}
+    return variants[kind](coeff) if kind != "none" else NoBalance()
 
 
 def balance_term(

@@ -22,12 +22,12 @@ from policyworker.losses.distillation import PAYLOAD_KINDS
 from policyworker.model.build import set_mode
 from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
 from policyworker.model.paths import ForwardPaths
+from policyworker.model.routers import Routers
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
+from policyworker.train.routing import RouterRun
 from policyworker.train.schedule import (
     MicrobatchFn,
-    RouteSpec,
-    Routing,
     loss_inputs,
     run_microbatches,
     split_evenly,
@@ -48,7 +48,7 @@ class Collector:
     default_mbs: int
     paths: ForwardPaths
     """The model's phases: collections run the scoring one (`model/paths.py`)."""
-    routes: RouteSpec | None = None
+    routers: Routers | None = None
     """An MoE model's routers (replay and record); None for a dense model."""
 
     def check(
@@ -68,15 +68,15 @@ class Collector:
         mbs = self.default_mbs if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
-        if record and self.routes is None:
+        if record and self.routers is None:
             raise ValueError("return_routes: the model has no experts (no routes to return)")
         required = (ROUTES,) if replay else ()
         validate_batch(
             data, required=required, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
         )
         if replay:
-            assert self.routes is not None
-            r = self.routes
+            assert self.routers is not None
+            r = self.routers
             check_routes(data, layers=r.num_layers, topk=r.topk, experts=r.experts)
         self.plan.check(data["input_lengths"].tolist(), train=False, rows_per_example=1)
         return mbs
@@ -94,7 +94,9 @@ class Collector:
             assert lp is not None
             return lp.new_zeros(()), {"logprobs": lp}
 
-        routing = self.routes.routing(replay=replay, record=record) if self.routes else None
+        routing = None
+        if self.routers is not None:
+            routing = RouterRun(routers=self.routers, replay=replay, record=record)
         logprobs, *routes = self.collect(
             data, mbs, fn, outputs={"logprobs": torch.float32}, routing=routing
         )
@@ -165,7 +167,7 @@ class Collector:
         *,
         outputs: dict[str, torch.dtype],
         trailing: tuple[int, ...] = (),
-        routing: Routing | None = None,
+        routing: RouterRun | None = None,
         last_stage_only: tuple[str, ...] = (),
     ) -> list[torch.Tensor]:
         """Forward-only over micro-batches; each of `outputs` (per-row tensors that `fn`
@@ -203,12 +205,12 @@ class Collector:
         return result
 
     def _routes(
-        self, microbatches: list[Microbatch], data: BatchedDataDict, routing: Routing
+        self, microbatches: list[Microbatch], data: BatchedDataDict, routing: RouterRun
     ) -> torch.Tensor:
         """The recorded routes, [B, S, L, K] on CPU: each pipeline stage's MoE layers merged
         (-1 elsewhere), -1 past each length."""
         b, s = data["input_ids"].shape
-        shape = (b, s, routing.num_layers, routing.topk)
+        shape = (b, s, routing.routers.num_layers, routing.routers.topk)
         lengths = data["input_lengths"]
         out = _rows(microbatches, routing.recorded, lengths, shape, torch.int64, -1)
         if self.groups.pp is not None and dist.get_world_size(self.groups.pp) > 1:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,10 +21,10 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossInputs, LossNeeds
 from policyworker.model.build import output_head
-from policyworker.model.replay import Replay
 from policyworker.ops.kl import reverse_kl
 from policyworker.ops.logprobs import Head, LogitOptions, logprobs_at
 from policyworker.parallel.dims import Groups
+from policyworker.train.routing import RouterRun
 from policyworker.train.teacher import TeacherHeads
 
 log = logging.getLogger(__name__)
@@ -35,69 +34,13 @@ log = logging.getLogger(__name__)
 MicrobatchFn = Callable[[Head, Microbatch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RouteSpec:
-    """An MoE model's routers, for router replay: its replays and `routed_experts`' [L, K]."""
-
-    replay_layers: Replay
-    num_layers: int
-    topk: int
-    experts: int
-    balance: str = "none"
-    """`moe.moe_router_load_balancing_type`: none, aux_loss (per micro-batch), seq_aux_loss."""
-
-    def routing(self, *, replay: bool, record: bool, balance_scale: float = 1.0) -> Routing:
-        return Routing(
-            replay_layers=self.replay_layers,
-            replay=replay,
-            record=record,
-            num_layers=self.num_layers,
-            topk=self.topk,
-            balance=self.balance,
-            balance_scale=balance_scale,
-        )
-
-
-@dataclass(slots=True, kw_only=True)
-class Routing:
-    """What an MoE model's routers do in one run of the schedule: replay each micro-batch's
-    `routed_experts` (`replay`; otherwise every router chooses), and keep the routes each
-    forward used (`record`)."""
-
-    replay_layers: Replay
-    replay: bool
-    record: bool
-    num_layers: int
-    """MoE layers of the whole model (routed_experts' L)."""
-    topk: int
-    balance: str = "none"
-    balance_scale: float = 1.0
-    """The load-balancing losses' gradient scale (see `train.step`)."""
-    recorded: list[torch.Tensor] = field(default_factory=list)
-    """With `record`: each micro-batch's routes as [n, S, L, K] rows (this stage's layers)."""
-
-    def before(self, mb: Microbatch, *, training: bool) -> None:
-        routes = mb.routes() if self.replay else None
-        segments = None
-        if training and self.balance != "none":
-            segments = mb.segments(per_sequence=self.balance == "seq_aux_loss")
-            self.replay_layers.set_balance_scale(self.balance_scale)
-        self.replay_layers.begin(routes, segments, training=training)
-
-    def after(self, mb: Microbatch) -> None:
-        self.replay_layers.end_forward()
-        if self.record:
-            used = self.replay_layers.recorded(mb.model_shape, self.num_layers, self.topk)
-            self.recorded.append(mb.unpack(mb.gather(used + 1)) - 1)  # -1 past each length
-
-
 def run_microbatches(
     model: torch.nn.Module,
     microbatches: list[Microbatch],
     fn: MicrobatchFn,
     *,
     forward_only: bool,
-    routing: Routing | None = None,
+    routing: RouterRun | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Run `fn` on each micro-batch's output `Head` via megatron's schedule; returns its
     metrics dicts. `routing`: what an MoE model's routers replay and record."""
@@ -105,7 +48,7 @@ def run_microbatches(
         return _run(model, microbatches, fn, forward_only=forward_only, routing=routing)
     finally:
         if routing is not None:
-            routing.replay_layers.reset()
+            routing.routers.reset()
 
 
 def _run(
@@ -114,7 +57,7 @@ def _run(
     fn: MicrobatchFn,
     *,
     forward_only: bool,
-    routing: Routing | None,
+    routing: RouterRun | None,
 ) -> list[dict[str, torch.Tensor]]:
     it: Iterator[Microbatch] = iter(microbatches)
     device = microbatches[0].data["input_ids"].device

@@ -41,8 +41,8 @@ from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.grads import FirstTouchDDP
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.overlap import Overlap
+from policyworker.train.routing import RouterRun
 from policyworker.train.schedule import (
-    Routing,
     loss_inputs,
     per_microbatch,
     reduce_metrics,
@@ -116,7 +116,7 @@ def add_chunk(
     plan: MicrobatchPlan,
     groups: Groups,
     logits: LogitOptions,
-    routing: Routing | None = None,
+    routing: RouterRun | None = None,
     teachers: TeacherHeads | None = None,
     overlap: Overlap | None = None,
 ) -> None:

@@ -21,12 +21,12 @@ from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.contract import FULL_PAYLOAD, ROUTES, check_routes, validate_batch
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
-from policyworker.model.routing import RouteCounts
+from policyworker.model.routers import Routers
 from policyworker.ops.logprobs import LogitOptions
 from policyworker.parallel.dims import Groups
 from policyworker.train.optimizer import optimizer_parts, optimizer_state_bytes
 from policyworker.train.overlap import Overlap
-from policyworker.train.schedule import RouteSpec, Routing
+from policyworker.train.routing import RouterRun
 from policyworker.train.step import (
     OpenStep,
     StepResult,
@@ -76,16 +76,13 @@ class Trainer:
         settings: TrainSettings,
         teachers: TeacherHeads,
         overlap: Overlap,
-        routes: RouteCounts | None = None,
-        replay: RouteSpec | None = None,
+        routers: Routers | None = None,
     ) -> None:
         self.ddp, self.optimizer, self.scheduler = ddp, optimizer, scheduler
         self.plan, self.groups, self.dp, self.device = plan, groups, dp, device
         self.settings = settings
-        self.routes = routes
-        """An MoE model's tokens per expert, counted during a step's forwards."""
-        self.replay = replay
-        """An MoE model's routers (router replay)."""
+        self.routers = routers
+        """An MoE model's routers: replay, the balancing loss, the tokens per expert."""
         self.teachers = teachers
         """Teachers' LM-head shards (full-vocabulary distillation from hidden states)."""
         self.overlap = overlap
@@ -134,7 +131,7 @@ class Trainer:
             chunk = data.slice(start, start + local)
             known = known_counts_for(loss_fn, chunk, self.groups)
             scale = 1.0
-            if self.replay is not None and self.replay.balance != "none":
+            if self._balancing:
                 scale = balance_scale_for(loss_fn, chunk, known, self.groups)
             spec = StepSpec(
                 loss_fn,
@@ -155,8 +152,7 @@ class Trainer:
         self.require_no_step("begin_train_step")
         gbs, mbs = self._sizes(gbs, mbs)
         local = check_batch_sizes(gbs=gbs, mbs=mbs, rows=loss_fn.rows_per_example, dp=self.dp)
-        balancing = self.replay is not None and self.replay.balance != "none"
-        if balancing and loss_fn.normalizer != "global_valid_toks":
+        if self._balancing and loss_fn.normalizer != "global_valid_toks":
             raise ValueError(
                 f"loss_fn: {type(loss_fn).__name__} is normalized by {loss_fn.normalizer}, so the "
                 "load-balancing loss (normalized by loss tokens) cannot share a streamed step; "
@@ -210,8 +206,8 @@ class Trainer:
         required = loss_fn.required_keys + ((ROUTES,) if s.router_replay else ())
         validate_batch(data, required=required, max_seq_len=s.max_seq_len, vocab_size=s.vocab_size)
         if s.router_replay:
-            assert self.replay is not None
-            r = self.replay
+            assert self.routers is not None
+            r = self.routers
             check_routes(data, layers=r.num_layers, topk=r.topk, experts=r.experts)
         if loss_fn.needs.teacher_payload is not None:
             self.teachers.check_batch(data, loss_fn.needs.teacher_payload)
@@ -238,8 +234,8 @@ class Trainer:
 
     def _open(self, spec: StepSpec) -> OpenStep:
         step = open_step(spec)
-        if self.routes is not None:
-            self.routes.reset()  # an aborted step's counts do not carry over
+        if self.routers is not None:
+            self.routers.reset_counts()  # an aborted step's counts do not carry over
         return step
 
     def _sizes(self, gbs: int | None, mbs: int | None) -> tuple[int, int]:
@@ -282,14 +278,17 @@ class Trainer:
             moved[FULL_PAYLOAD] = data[FULL_PAYLOAD]
         return moved
 
-    def _routing(self) -> Routing | None:
-        if self.replay is None:
+    @property
+    def _balancing(self) -> bool:
+        """The routers add a load-balancing loss (its type says)."""
+        return self.routers is not None and self.routers.balance.adds_loss
+
+    def _routing(self) -> RouterRun | None:
+        if self.routers is None:
             return None
         assert self._step is not None
-        scale = self._step.spec.balance_scale
-        return self.replay.routing(
-            replay=self.settings.router_replay, record=False, balance_scale=scale
-        )
+        scale, replay = self._step.spec.balance_scale, self.settings.router_replay
+        return RouterRun(routers=self.routers, replay=replay, record=False, balance_scale=scale)
 
     def _finish(self) -> StepResult:
         step, self._step = self._step, None
@@ -305,8 +304,8 @@ class Trainer:
                 device=self.device,
                 overlap=self.overlap,
             )
-            if self.routes is not None:
-                result.metrics.update(self.routes.take(result.metrics["global_valid_toks"]))
+            if self.routers is not None:
+                result.metrics.update(self.routers.take(result.metrics["global_valid_toks"]))
             return result
         except BaseException:
             self._zero()
