@@ -77,10 +77,10 @@ def run(worker: object, data: object, steps: int) -> dict[str, float]:
 
 
 def use_plan(worker: Any, plan: Any, *, mbs: int, gbs: int | None = None) -> None:
-    """Run a built worker with the bench's plan and sizes (its trainer and collector hold their
+    """Run a built worker with the bench's plan and sizes (its trainer and scorer hold their
     own references to the plan and the default sizes)."""
     worker.plan = worker.trainer.plan = plan
-    worker.collector = dataclasses.replace(worker.collector, plan=plan, default_mbs=mbs)
+    worker.scorer = dataclasses.replace(worker.scorer, plan=plan, default_mbs=mbs)
     settings = worker.trainer.settings
     worker.trainer.settings = dataclasses.replace(settings, mbs=mbs, gbs=gbs or settings.gbs)
 

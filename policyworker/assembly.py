@@ -1,5 +1,5 @@
 """How a worker is put together: its layout, its state (model, DDP, optimizer, scheduler,
-reference) and the services built on views of it (trainer, collector, refit source, memory
+reference) and the services built on views of it (trainer, scorer, refit source, memory
 residency, checkpointer). Built once; a worker is shut down at interpreter exit."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from policyworker.checkpoint.checkpointer import Checkpointer, Trainee, finalize
 from policyworker.compat import finalize
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
+from policyworker.data.contract import BatchRules
 from policyworker.data.microbatch import MicrobatchPlan, build_plan
 from policyworker.generation.decode import Decoder
 from policyworker.generation.sampler import Sampler
@@ -41,7 +42,6 @@ from policyworker.ops.logprobs import LogitOptions
 from policyworker.ops.sampling import pad_token
 from policyworker.parallel.dims import Groups, ParallelDims, setup_parallel
 from policyworker.refit.source import RefitSource
-from policyworker.train.inference import Collector
 from policyworker.train.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -50,6 +50,7 @@ from policyworker.train.optimizer import (
     wrap_ddp,
 )
 from policyworker.train.overlap import Overlap
+from policyworker.train.scoring import Scorer
 from policyworker.train.teacher import TeacherHeads, VocabSlice
 from policyworker.train.trainer import Trainer, TrainSettings
 
@@ -69,6 +70,8 @@ class Parts:
     dtype: torch.dtype
     paths: ForwardPaths
     """What every forward of the model runs (attention per phase, generation's matmul rows)."""
+    rules: BatchRules
+    """The context and vocabulary every batch meets (every service checks batches by it)."""
 
 
 @dataclass(slots=True)
@@ -139,6 +142,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
         device=device,
         dtype=dtype,
         paths=paths,
+        rules=BatchRules(config.max_total_sequence_length, shape.vocab_size),
     )
 
 
@@ -234,8 +238,7 @@ def build_trainer(
         mbs=c.train_micro_batch_size,
         logits=logit_options(w),
         max_grad_norm=c.max_grad_norm,
-        vocab_size=w.shape.vocab_size,
-        max_seq_len=c.max_total_sequence_length,
+        rules=w.rules,
         router_replay=c.moe.router_replay,
     )
     return Trainer(
@@ -267,17 +270,16 @@ def teacher_heads(w: Parts) -> TeacherHeads:
     )  # fmt: skip
 
 
-def build_collector(
+def build_scorer(
     w: Parts, state: PolicyState, plan: MicrobatchPlan, routers: Routers | None
-) -> Collector:
-    return Collector(
+) -> Scorer:
+    return Scorer(
         model=state.forward_model,
         plan=plan,
         groups=w.groups,
         device=w.device,
         logits=logit_options(w),
-        vocab_size=w.shape.vocab_size,
-        max_seq_len=w.cfg.max_total_sequence_length,
+        rules=w.rules,
         default_mbs=w.cfg.logprob_batch_size,
         routers=routers,
         paths=w.paths,
@@ -299,7 +301,7 @@ def build_sampler(
         groups=w.groups,
         device=w.device,
         logits=logit_options(w),
-        max_seq_len=w.cfg.max_total_sequence_length,
+        rules=w.rules,
         pad_id=pad_token(w.hf_config, tokenizer),
         routers=routers,
         local=whole,

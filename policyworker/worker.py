@@ -1,5 +1,5 @@
 """MegatronPolicyWorker, the public facade: it validates, then delegates to `train.Trainer`,
-`train.Collector`, `refit.RefitSource`, `memory.Residency` and `checkpoint.Checkpointer` (put
+`train.Scorer`, `refit.RefitSource`, `memory.Residency` and `checkpoint.Checkpointer` (put
 together by `assembly`). A bad call raises `ValueError` before any state changes.
 
     worker = MegatronPolicyWorker(PolicyConfig(model_name="/ckpt"))
@@ -69,7 +69,7 @@ class MegatronPolicyWorker:
         )
         routers = assembly.build_routers(parts, self.state)
         self.trainer = assembly.build_trainer(parts, self.state, self.plan, routers)
-        self.collector = assembly.build_collector(parts, self.state, self.plan, routers)
+        self.scorer = assembly.build_scorer(parts, self.state, self.plan, routers)
         self.sampler = assembly.build_sampler(parts, self.state, routers, tokenizer)
         self.refit, self.memory, self.checkpoints = assembly.build_services(parts, self.state)
         if checkpoint is not None:
@@ -102,8 +102,8 @@ class MegatronPolicyWorker:
         (+ the routes used, `routed_experts`); `moe.router_replay`: replays the batch's routes."""
         self._require("get_logprobs", "params")
         replay = require_router_replay and self.cfg.moe.router_replay
-        mbs = self.collector.check(data, micro_batch_size, replay=replay, record=return_routes)
-        return self.collector.logprobs(data, mbs, replay=replay, record=return_routes)
+        mbs = self.scorer.check(data, micro_batch_size, replay=replay, record=return_routes)
+        return self.scorer.logprobs(data, mbs, replay=replay, record=return_routes)
 
     def get_reference_policy_logprobs(self, *, data: BatchedDataDict,
                                       micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
@@ -126,7 +126,7 @@ class MegatronPolicyWorker:
                         micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
         self._require("get_topk_logits", "params")
-        vals, idx = self.collector.topk(data, self.collector.check(data, micro_batch_size, k), k)
+        vals, idx = self.scorer.topk(data, self.scorer.check(data, micro_batch_size, k), k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
     def get_logprobs_with_full_payload(
@@ -135,8 +135,8 @@ class MegatronPolicyWorker:
     ) -> BatchedDataDict:  # fmt: skip
         """`logprobs` [B, S] and, on the last stage, `teacher_full_payload` [B, S, D] on CPU."""
         self._require("get_logprobs_with_full_payload", "params")
-        mbs = self.collector.check(data, micro_batch_size)
-        return self.collector.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
+        mbs = self.scorer.check(data, micro_batch_size)
+        return self.scorer.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
 
     def generate(self, *, data: BatchedDataDict, greedy: bool = False,
                  seed: int | None = None) -> BatchedDataDict:  # fmt: skip
@@ -154,9 +154,11 @@ class MegatronPolicyWorker:
     ) -> dict[str, Any]:  # fmt: skip
         """FP8 KV-cache scales of Q/K/V from `data` (the seed's; model/calibration.py)."""
         self._require("calibrate_qkv_fp8_scales", "params")
-        mbs = self.collector.check(data, micro_batch_size)
-        return self.collector.calibrate(self.state.model, data, mbs, percentile=percentile,
-                                        margin=margin, include_q=include_q, save_path=save_path)  # fmt: skip
+        from policyworker.train.calibration import calibrate
+
+        mbs = self.scorer.check(data, micro_batch_size)
+        return calibrate(self.scorer, self.state.model, data, mbs, percentile=percentile,
+                         margin=margin, include_q=include_q, save_path=save_path)  # fmt: skip
 
     # --- training (policyworker.train.Trainer) ---------------------------------------------------
 

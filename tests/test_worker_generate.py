@@ -200,7 +200,7 @@ def test_the_kv_cache_is_gone_after_a_call_and_generation_needs_the_params(folde
     w = make_worker(folder, generation={"max_new_tokens": 3})
     w.generate(data=prompts())
     cores = [m for m in w.state.model.modules() if isinstance(m, CoreAttention)]
-    paths = w.collector.paths  # the model's phases: training is back, the cache's phase gone
+    paths = w.scorer.paths  # the model's phases: training is back, the cache's phase gone
     assert cores and all(c.switch is paths.switch for c in cores)
     assert paths.switch.now is paths.training
     w.offload_after_refit()

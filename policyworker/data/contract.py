@@ -6,6 +6,7 @@ Per-sample fields are `[B]`, per-token fields `[B, S]` aligned with `input_ids` 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -92,6 +93,21 @@ def validate_batch(
     if any(key in keys for key in PER_TOKEN_TOPK):
         _check_topk(data, b, s, vocab_size)
     return b, s
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRules:
+    """The limits every batch of one worker meets — the context (`max_total_sequence_length`)
+    and the model's true vocabulary — in one object: made once (`assembly`), checked by every
+    service that takes a batch, and by the driver before it shards one."""
+
+    max_seq_len: int
+    vocab_size: int
+
+    def check(self, data: Any, required: Iterable[str] = ()) -> tuple[int, int]:
+        """`validate_batch` under these limits; returns (B, S)."""
+        limits = {"max_seq_len": self.max_seq_len, "vocab_size": self.vocab_size}
+        return validate_batch(data, required=required, **limits)
 
 
 def _check_zero_past(key: str, mask: torch.Tensor, lengths: torch.Tensor) -> None:

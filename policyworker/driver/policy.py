@@ -26,7 +26,7 @@ import torch
 
 from policyworker.config import PolicyConfig, as_policy_config, finite
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import ROUTES, ROW_IDS, check_row_ids, validate_batch
+from policyworker.data.contract import ROUTES, ROW_IDS, BatchRules, check_row_ids
 from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
 from policyworker.driver.group import WorkerGroup
 from policyworker.driver.local import LocalGroup, local_envs
@@ -308,11 +308,8 @@ class Policy:
         data = args[call.sharded]  # type: ignore[index]
         loss = args.get("loss_fn")
         required = loss.required_keys if isinstance(loss, Loss) else ()
-        b, _ = validate_batch(
-            data,
-            required=required,
-            max_seq_len=self.cfg.max_total_sequence_length,
-            vocab_size=self.shape.vocab_size,
+        b, _ = BatchRules(self.cfg.max_total_sequence_length, self.shape.vocab_size).check(
+            data, required
         )
         if call.indexed:
             check_row_ids(data)

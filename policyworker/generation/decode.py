@@ -26,7 +26,7 @@ from megatron.core.transformer.utils import set_model_to_sequence_parallel
 from megatron.core.utils import get_model_config, unwrap_model
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import ROUTES, check_row_ids, validate_batch
+from policyworker.data.contract import ROUTES, BatchRules, check_row_ids
 from policyworker.generation.graphs import GraphedStep
 from policyworker.model.attention.cache import Step
 from policyworker.model.attention.cached import Generating
@@ -63,7 +63,8 @@ class Decoder:
     device: torch.device
     logits: LogitOptions
     """This rank's vocabulary slice and the true vocabulary (the temperature is `Sampling`'s)."""
-    max_seq_len: int
+    rules: BatchRules
+    """The context and vocabulary every batch meets."""
     pad_id: int
     paths: ForwardPaths
     """The model's phases: generation's attention kernels and matmul rows (`model/paths.py`)."""
@@ -78,15 +79,13 @@ class Decoder:
     def check(self, data: BatchedDataDict, stops: Stops) -> None:
         """A generation batch: right-padded prompts with room for a new token; stop strings
         only with a tokenizer (`ValueError` naming the field)."""
-        vocab = self.logits.vocab_size
-        assert vocab is not None
-        validate_batch(data, required=(), max_seq_len=self.max_seq_len, vocab_size=vocab)
+        self.rules.check(data)
         check_row_ids(data)
         longest = int(data["input_lengths"].max())
-        if longest >= self.max_seq_len:
+        if longest >= self.rules.max_seq_len:
             raise ValueError(
                 f"input_lengths: a prompt of {longest} tokens leaves no room to generate under "
-                f"max_total_sequence_length={self.max_seq_len}"
+                f"max_total_sequence_length={self.rules.max_seq_len}"
             )
         rows = data.get(STOP_STRINGS)
         if rows is not None and (
@@ -115,7 +114,7 @@ class Decoder:
         lengths = data["input_lengths"].to(torch.long).cpu()
         width = int(lengths.max())
         ids = data["input_ids"][:, :width].to(self.device)
-        limits = torch.clamp(self.max_seq_len - lengths, max=max_new_tokens)  # >= 1 (check)
+        limits = torch.clamp(self.rules.max_seq_len - lengths, max=max_new_tokens)  # >= 1 (check)
         capacity = int((lengths + limits).max())
         run = _Run(
             self, ids, lengths, limits, how, stops, seed, row_ids.to(self.device, torch.long)

@@ -1,6 +1,6 @@
 """Micro-batched forward (and backward) through megatron's pipeline schedules.
 
-`run_microbatches` is where training and every collection (`get_logprobs`, top-k) call
+`run_microbatches` is where training and every scoring call (`get_logprobs`, top-k) call
 `get_forward_backward_func()`, so pipeline parallelism slots in without a second code path
 (generation's decode steps call it themselves: one micro-batch of one token per row,
 `generation.decode`). `train.step` builds an optimizer step on it.
@@ -19,13 +19,10 @@ from megatron.core.utils import get_model_config
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
-from policyworker.losses.common import LossInputs, LossNeeds
 from policyworker.model.build import output_head
-from policyworker.ops.kl import reverse_kl
-from policyworker.ops.logprobs import Head, LogitOptions, logprobs_at
+from policyworker.ops.logprobs import Head
 from policyworker.parallel.dims import Groups
 from policyworker.train.routing import RouterRun
-from policyworker.train.teacher import TeacherHeads
 
 log = logging.getLogger(__name__)
 
@@ -96,77 +93,6 @@ def _run(
     )
 
 
-def loss_inputs(
-    head: Head,
-    mb: Microbatch,
-    needs: LossNeeds,
-    opts: LogitOptions,
-    teachers: TeacherHeads | None = None,
-) -> LossInputs:
-    """What `needs` asks for, from one micro-batch's logits, as [n, S] rows of `mb.data`: one
-    chunked pass over the logits picks the next tokens' and the index ids' logprobs together;
-    a full-vocabulary KL (against `teachers`' heads for a hidden-state payload) is another."""
-    whole = mb.pack(mb.data["input_ids"])  # the whole sequence, [b, T] (or padded [n, S])
-    parts = [whole[..., None][..., :0]]  # none: the entropy alone
-    if needs.logprobs:
-        parts.append(torch.cat([whole[:, 1:], torch.zeros_like(whole[:, :1])], dim=1)[..., None])
-    if needs.index_key is not None:
-        parts.append(mb.pack(mb.data[needs.index_key]))
-    logprobs = at_ids = entropy = kl = None
-    if len(parts) > 1 or needs.entropy:
-        ids = mb.to_local(torch.cat(parts, dim=-1))
-        picked, ent = logprobs_at(head, ids, opts, entropy=needs.entropy)
-        picked = mb.gather(picked)  # [b, T, 1 + k] of the whole sequence
-        if needs.logprobs:
-            # log p(next token) at i, moved to i+1, then to rows; packed, a row's position 0
-            # read the previous row's last logits: 0 by definition
-            raw = picked[..., 0]
-            lp = mb.unpack(torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1))
-            logprobs = torch.cat([lp.new_zeros(lp.shape[0], 1), lp[:, 1:]], dim=1)
-        if needs.index_key is not None:
-            at_ids = mb.unpack(picked[..., int(needs.logprobs) :])
-        if ent is not None:
-            entropy = mb.unpack(mb.gather(ent))
-    if needs.teacher_payload is not None:
-        assert teachers is not None
-        rows = teachers.rows(mb, needs.teacher_payload, head.hidden.device)
-        kl = mb.unpack(mb.gather(reverse_kl(head, rows, opts)))
-    return LossInputs(logprobs=logprobs, entropy=entropy, index_logprobs=at_ids, reverse_kl=kl)
-
-
-def reduce_metrics(
-    stores: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None
-) -> dict[str, float]:
-    """Each metric over micro-batches and data-parallel ranks: summed (they are globally
-    normalized), except `*_min` / `*_max`, which take the min / max."""
-    if not stores:
-        return {}
-    keys = sorted(stores[0])
-    stacked = torch.stack([torch.stack([s[k].float().reshape(()) for k in keys]) for s in stores])
-    is_min = torch.tensor([k.endswith("_min") for k in keys], device=stacked.device)
-    is_max = torch.tensor([k.endswith("_max") for k in keys], device=stacked.device)
-    summed = stacked.sum(0)
-    extreme = torch.where(is_min, -stacked, stacked).amax(0)  # min as -max(-x): one MAX reduce
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(summed, group=group)
-        dist.all_reduce(extreme, op=dist.ReduceOp.MAX, group=group)
-    values = torch.where(is_min, -extreme, torch.where(is_max, extreme, summed))
-    return dict(zip(keys, values.tolist(), strict=True))
-
-
-def per_microbatch(
-    stores: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None
-) -> dict[str, list[float]]:
-    """Each metric's value in every micro-batch of every data-parallel rank (rank order), as
-    NeMo-RL's `all_mb_metrics`; each is that micro-batch's share of the global figure."""
-    mine = {k: [float(s[k]) for s in stores] for k in (sorted(stores[0]) if stores else [])}
-    if group is None or dist.get_world_size(group) == 1:
-        return mine
-    everyone: list[dict[str, list[float]]] = [{} for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(everyone, mine, group=group)
-    return {k: [v for rank in everyone for v in rank.get(k, [])] for k in mine}
-
-
 def split_evenly(
     batch: BatchedDataDict,
     plan: MicrobatchPlan,
@@ -188,14 +114,3 @@ def split_evenly(
     if missing:
         mbs_list += [plan.filler(batch, mbs_list[0], rows_per_example)] * missing
     return mbs_list
-
-
-def sum_over_dp(
-    local: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None
-) -> dict[str, torch.Tensor]:
-    """Counts (`global_valid_toks`, ...) summed over the data-parallel ranks."""
-    names = sorted(local)
-    stacked = torch.stack([local[n].float() for n in names])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-    return dict(zip(names, stacked.unbind(), strict=True))

@@ -39,17 +39,12 @@ from policyworker.model.build import set_mode
 from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
 from policyworker.train.grads import FirstTouchDDP
+from policyworker.train.loss_inputs import loss_inputs
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.overlap import Overlap
+from policyworker.train.reduce import per_microbatch, reduce_metrics, sum_over_dp
 from policyworker.train.routing import RouterRun
-from policyworker.train.schedule import (
-    loss_inputs,
-    per_microbatch,
-    reduce_metrics,
-    run_microbatches,
-    split_evenly,
-    sum_over_dp,
-)
+from policyworker.train.schedule import run_microbatches, split_evenly
 from policyworker.train.teacher import TeacherHeads
 
 log = logging.getLogger(__name__)

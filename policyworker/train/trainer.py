@@ -18,7 +18,7 @@ import torch
 
 from policyworker.config import finite
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import FULL_PAYLOAD, ROUTES, check_routes, validate_batch
+from policyworker.data.contract import FULL_PAYLOAD, ROUTES, BatchRules, check_routes
 from policyworker.data.microbatch import MicrobatchPlan
 from policyworker.losses.common import Loss
 from policyworker.model.routers import Routers
@@ -54,8 +54,8 @@ class TrainSettings:
     logits: LogitOptions
     """Temperature, vocabulary split and chunking of the logits."""
     max_grad_norm: float
-    vocab_size: int
-    max_seq_len: int
+    rules: BatchRules
+    """The context and vocabulary every batch meets."""
     router_replay: bool = False
     """Every step replays the batch's `routed_experts` (which it must have)."""
 
@@ -204,7 +204,7 @@ class Trainer:
         """The batch against the contract and the loss's keys (`BatchValidationError`)."""
         s = self.settings
         required = loss_fn.required_keys + ((ROUTES,) if s.router_replay else ())
-        validate_batch(data, required=required, max_seq_len=s.max_seq_len, vocab_size=s.vocab_size)
+        s.rules.check(data, required)
         if s.router_replay:
             assert self.routers is not None
             r = self.routers

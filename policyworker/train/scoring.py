@@ -1,4 +1,5 @@
-"""Forward-only collection over a batch: token logprobs and top-k logits, assembled per row.
+"""Scoring: forward-only passes over a batch — token logprobs (the policy's and, with its weights
+swapped in, the reference's), top-k logits, the full payload — assembled per row.
 
 Both run the same pipeline schedule as training (`schedule.run_microbatches`), forward only;
 each output is put back in the batch's row order on the CPU, 0 past each row's length, and every
@@ -8,43 +9,36 @@ pipeline stage returns it (the last stage computes, then broadcasts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from policyworker.data.batched_data_dict import BatchedDataDict
-from policyworker.data.contract import FULL_PAYLOAD, ROUTES, check_routes, validate_batch
+from policyworker.data.contract import FULL_PAYLOAD, ROUTES, BatchRules, check_routes
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
 from policyworker.losses.common import LossNeeds
 from policyworker.losses.distillation import PAYLOAD_KINDS
 from policyworker.model.build import set_mode
-from policyworker.model.calibration import QKVAmax, check_calibration, fp8_scales, save_json
 from policyworker.model.paths import ForwardPaths
 from policyworker.model.routers import Routers
 from policyworker.ops.logprobs import Head, LogitOptions, full_logits, topk
 from policyworker.parallel.dims import Groups, broadcast_from_last_stage
+from policyworker.train.loss_inputs import loss_inputs
 from policyworker.train.routing import RouterRun
-from policyworker.train.schedule import (
-    MicrobatchFn,
-    loss_inputs,
-    run_microbatches,
-    split_evenly,
-)
+from policyworker.train.schedule import MicrobatchFn, run_microbatches, split_evenly
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Collector:
-    """What every collection runs on: the model, how batches are cut, this rank's groups."""
+class Scorer:
+    """What every scoring call runs on: the model, how batches are cut, this rank's groups."""
 
     model: torch.nn.Module
     plan: MicrobatchPlan
     groups: Groups
     device: torch.device
     logits: LogitOptions
-    vocab_size: int
-    max_seq_len: int
+    rules: BatchRules
+    """The context and vocabulary every batch meets."""
     default_mbs: int
     paths: ForwardPaths
     """The model's phases: collections run the scoring one (`model/paths.py`)."""
@@ -63,17 +57,16 @@ class Collector:
         """Validate a collection's batch (`BatchValidationError`), micro-batch size and top-k,
         and what its routers do (replay: the batch's `routed_experts`; record: an MoE model);
         returns the micro-batch size."""
-        if not isinstance(k, int) or not 1 <= k <= self.vocab_size:
-            raise ValueError(f"k: expected an int in [1, {self.vocab_size}], got {k!r}")
+        vocab = self.rules.vocab_size
+        if not isinstance(k, int) or not 1 <= k <= vocab:
+            raise ValueError(f"k: expected an int in [1, {vocab}], got {k!r}")
         mbs = self.default_mbs if micro_batch_size is None else micro_batch_size
         if not isinstance(mbs, int) or mbs < 1:
             raise ValueError(f"micro_batch_size: expected an int >= 1, got {micro_batch_size!r}")
         if record and self.routers is None:
             raise ValueError("return_routes: the model has no experts (no routes to return)")
         required = (ROUTES,) if replay else ()
-        validate_batch(
-            data, required=required, max_seq_len=self.max_seq_len, vocab_size=self.vocab_size
-        )
+        self.rules.check(data, required)
         if replay:
             assert self.routers is not None
             r = self.routers
@@ -101,29 +94,6 @@ class Collector:
             data, mbs, fn, outputs={"logprobs": torch.float32}, routing=routing
         )
         return BatchedDataDict({"logprobs": logprobs, **({ROUTES: routes[0]} if routes else {})})
-
-    def calibrate(
-        self,
-        model: torch.nn.Module,
-        data: BatchedDataDict,
-        mbs: int,
-        *,
-        percentile: float,
-        margin: float,
-        include_q: bool,
-        save_path: str | Path | None,
-    ) -> dict[str, Any]:
-        """FP8 KV-cache scales from the Q/K/V of a forward over `data` (`model`: the unwrapped
-        GPTModel); its routers choose (calibration batches carry no routes, as NeMo-RL's); the
-        JSON at `save_path` is written by rank 0. Every rank returns the same result."""
-        check_calibration(percentile, margin, include_q)
-        with QKVAmax(model, model.config.num_layers) as probe:
-            self.logprobs(data, mbs)
-        amax = probe.amax(percentile)
-        result = fp8_scales(amax, percentile=percentile, margin=margin, include_q=include_q)
-        if save_path is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            save_json(result, save_path)
-        return result
 
     def full_payload(
         self, data: BatchedDataDict, mbs: int, *, payload: str, payload_dtype: str
