@@ -10,10 +10,9 @@ together by `assembly`). A bad call raises `ValueError` before any state changes
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -21,6 +20,7 @@ from policyworker.checkpoint.hf import save_hf_folder
 from policyworker.checkpoint.paths import check_save_paths, initial_weights
 from policyworker.config import PolicyConfig, as_policy_config, teacher_path
 from policyworker.data.batched_data_dict import BatchedDataDict
+from policyworker.guard import Guard
 from policyworker.logs import quiet_third_party
 from policyworker.losses.common import Loss
 from policyworker.memory.phases import TRAIN_BUFFERS_KEPT, MemoryPhase, enter_phase
@@ -29,10 +29,17 @@ from policyworker.memory.telemetry import memory_stats
 from policyworker.model.report import tensor_parallel_report
 from policyworker.refit.layout import RefitInfo, RefitReport
 from policyworker.refit.sparse import SparseCall
-from policyworker.schema import first_difference, first_value
 
-if TYPE_CHECKING:
-    from policyworker.train.trainer import Trainer
+
+def _phase_call(phase: MemoryPhase, doc: str) -> Any:
+    """A worker call that enters `phase` (`memory/phases.py` has the table), declared in one line."""
+
+    def call(self: MegatronPolicyWorker) -> None:
+        self._phase(phase)
+
+    call.__name__, call.__qualname__ = str(phase), f"MegatronPolicyWorker.{phase}"
+    call.__doc__ = doc
+    return call
 
 
 class MegatronPolicyWorker:
@@ -53,7 +60,6 @@ class MegatronPolicyWorker:
 
         config = as_policy_config(config)  # NeMo-RL passes its configs as dicts
         self.cfg, self.tokenizer = config, tokenizer
-        self._as_built = copy.deepcopy(config)  # what every service is built from
         self.is_refit_destination = is_refit_destination  # receives reshard refits; never trains
         if is_refit_destination:
             init_optimizer = init_reference_model = False
@@ -72,6 +78,7 @@ class MegatronPolicyWorker:
         self.scorer = assembly.build_scorer(parts, self.state, self.plan, routers)
         self.sampler = assembly.build_sampler(parts, self.state, routers, tokenizer)
         self.refit, self.memory, self.checkpoints = assembly.build_services(parts, self.state)
+        self.guard = Guard(config, self.memory, self.checkpoints, self.trainer)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint, optimizer_path)
         if init_reference_model:  # after the checkpoint's weights are in
@@ -95,22 +102,28 @@ class MegatronPolicyWorker:
     # --- inference -------------------------------------------------------------------------------
 
     def get_logprobs(
-        self, *, data: BatchedDataDict, micro_batch_size: int | None = None,
-        require_router_replay: bool = True, return_routes: bool = False,
-    ) -> BatchedDataDict:  # fmt: skip
+        self,
+        *,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        require_router_replay: bool = True,
+        return_routes: bool = False,
+    ) -> BatchedDataDict:
         """`{"logprobs": [B, S]}` fp32: log p(token_i | tokens_<i) at i; 0 at 0 and past the end
         (+ the routes used, `routed_experts`); `moe.router_replay`: replays the batch's routes."""
-        self._require("get_logprobs", "params")
+        self.guard.require("get_logprobs", "params")
         replay = require_router_replay and self.cfg.moe.router_replay
         mbs = self.scorer.check(data, micro_batch_size, replay=replay, record=return_routes)
         return self.scorer.logprobs(data, mbs, replay=replay, record=return_routes)
 
-    def get_reference_policy_logprobs(self, *, data: BatchedDataDict,
-                                      micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
+    def get_reference_policy_logprobs(
+        self, *, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
         """`{"reference_logprobs": [B, S]}`: `get_logprobs` under the reference weights."""
         with self.use_reference_model():  # its routers choose (no replay, as NeMo-RL)
-            out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size,
-                                    require_router_replay=False)  # fmt: skip
+            out = self.get_logprobs(
+                data=data, micro_batch_size=micro_batch_size, require_router_replay=False
+            )
         return BatchedDataDict({"reference_logprobs": out["logprobs"]})
 
     @contextlib.contextmanager
@@ -118,60 +131,82 @@ class MegatronPolicyWorker:
         """Swap the reference weights into the live parameters; the live ones return on exit."""
         if self.state.reference is None:
             raise ValueError("init_reference_model=False: this worker holds no reference model")
-        self._require("use_reference_model", "params")
+        self.guard.require("use_reference_model", "params")
         with self.state.reference_swapped_in():
             yield
 
-    def get_topk_logits(self, *, data: BatchedDataDict, k: int,
-                        micro_batch_size: int | None = None) -> BatchedDataDict:  # fmt: skip
+    def get_topk_logits(
+        self, *, data: BatchedDataDict, k: int, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
         """`{"topk_logits", "topk_indices"}` [B, S, k] of logits / temperature at each position."""
-        self._require("get_topk_logits", "params")
+        self.guard.require("get_topk_logits", "params")
         vals, idx = self.scorer.topk(data, self.scorer.check(data, micro_batch_size, k), k)
         return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
 
     def get_logprobs_with_full_payload(
-        self, *, data: BatchedDataDict, payload: str, payload_dtype: str,
+        self,
+        *,
+        data: BatchedDataDict,
+        payload: str,
+        payload_dtype: str,
         micro_batch_size: int | None = None,
-    ) -> BatchedDataDict:  # fmt: skip
+    ) -> BatchedDataDict:
         """`logprobs` [B, S] and, on the last stage, `teacher_full_payload` [B, S, D] on CPU."""
-        self._require("get_logprobs_with_full_payload", "params")
+        self.guard.require("get_logprobs_with_full_payload", "params")
         mbs = self.scorer.check(data, micro_batch_size)
         return self.scorer.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
 
-    def generate(self, *, data: BatchedDataDict, greedy: bool = False,
-                 seed: int | None = None) -> BatchedDataDict:  # fmt: skip
+    def generate(
+        self, *, data: BatchedDataDict, greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict:
         """Sample responses with this model (`cfg.generation`, a KV cache, no refit): the
         reference's generation keys; their `logprobs` are `get_logprobs`' (ops/sampling.py)."""
-        self._require("generate", "params")
+        self.guard.require("generate", "params")
         stops = self.sampler.check(data, seed)
         self.state.overlap.sync_params()  # whole parameters, not a step's pending shards
         return self.sampler.generate(data, stops, greedy=greedy, seed=seed)
 
     def calibrate_qkv_fp8_scales(
-        self, *, data: BatchedDataDict, micro_batch_size: int | None = None,
-        percentile: float = 99.9, margin: float = 1.05, include_q: bool = False,
+        self,
+        *,
+        data: BatchedDataDict,
+        micro_batch_size: int | None = None,
+        percentile: float = 99.9,
+        margin: float = 1.05,
+        include_q: bool = False,
         save_path: str | Path | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """FP8 KV-cache scales of Q/K/V from `data` (the seed's; model/calibration.py)."""
-        self._require("calibrate_qkv_fp8_scales", "params")
+        self.guard.require("calibrate_qkv_fp8_scales", "params")
         from policyworker.train.calibration import calibrate
 
         mbs = self.scorer.check(data, micro_batch_size)
-        return calibrate(self.scorer, self.state.model, data, mbs, percentile=percentile,
-                         margin=margin, include_q=include_q, save_path=save_path)  # fmt: skip
+        return calibrate(
+            self.scorer,
+            self.state.model,
+            data,
+            mbs,
+            percentile=percentile,
+            margin=margin,
+            include_q=include_q,
+            save_path=save_path,
+        )
 
     # --- training (policyworker.train.Trainer) ---------------------------------------------------
 
     def train(
-        self, data: BatchedDataDict, loss_fn: Loss, eval_mode: bool = False,
-        gbs: int | None = None, mbs: int | None = None,
+        self,
+        data: BatchedDataDict,
+        loss_fn: Loss,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
         check_dim_skip_keys: Iterable[str] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         """An optimizer step per global batch (none if `eval_mode`); `check_dim_skip_keys`: None."""
         if check_dim_skip_keys is not None:
             raise ValueError("check_dim_skip_keys: expected None (no cross-tokenizer fields here)")
-        trainer = self._trainer("train")
-        self._require("train", *(("params",) if eval_mode else GROUPS))
+        trainer = self.guard.trainer("train", *(("params",) if eval_mode else GROUPS))
         trainer.check_batch(data, loss_fn)
         return trainer.train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
 
@@ -179,34 +214,30 @@ class MegatronPolicyWorker:
         """This rank's shard of a teacher's LM head, for `FullDistillationLoss` on hidden-state
         payloads (`opd_full_teacher_lm_head_lifecycle`); returns the teacher's folder."""
         path = teacher_path(teacher_path_config)
-        self._trainer("load_opd_full_teacher_lm_head", step_open=None).teachers.load(
+        self.guard.trainer("load_opd_full_teacher_lm_head", step_open=None).teachers.load(
             path, teacher_index
         )
         return path
 
-    def begin_train_step(self, loss_fn: Loss, gbs: int | None = None,
-                         mbs: int | None = None) -> None:  # fmt: skip
+    def begin_train_step(
+        self, loss_fn: Loss, gbs: int | None = None, mbs: int | None = None
+    ) -> None:
         """Open a step (zero gradients) for `train_microbatch`; `finish_train_step` applies it."""
-        trainer = self._trainer("begin_train_step")
-        self._require("begin_train_step", *GROUPS)
-        trainer.begin(loss_fn, gbs, mbs)
+        self.guard.trainer("begin_train_step", *GROUPS).begin(loss_fn, gbs, mbs)
 
     def train_microbatch(self, data: BatchedDataDict) -> None:
         """Forward/backward `mbs`-row multiples (no DP reduce yet); an error aborts the step."""
-        trainer = self._trainer("train_microbatch", step_open=True)
-        self._require("train_microbatch", "params", "grads")
+        trainer = self.guard.trainer("train_microbatch", "params", "grads", step_open=True)
         trainer.check_batch(data, trainer.open_loss)
         trainer.add(data)
 
     def finish_train_step(self) -> dict[str, Any]:
         """DP-reduce and normalize the gradients, clip, step optimizer and scheduler; metrics."""
-        trainer = self._trainer("finish_train_step", step_open=True)
-        self._require("finish_train_step", *GROUPS)
-        return trainer.finish()
+        return self.guard.trainer("finish_train_step", *GROUPS, step_open=True).finish()
 
     def abort_train_step(self) -> None:
         """Drop the open step: gradients zeroed; weights, optimizer and scheduler untouched."""
-        trainer = self._trainer("abort_train_step", step_open=True)
+        trainer = self.guard.trainer("abort_train_step", step_open=True)
         on_device = self.memory.where()["grads"] is Where.DEVICE
         trainer.abort(zero=on_device)
         if not on_device:  # a paused or offloaded step: its gradients are dropped where they are
@@ -223,7 +254,7 @@ class MegatronPolicyWorker:
 
     def set_learning_rate(self, lr: float) -> None:
         """Restart the schedule at a new peak lr (e.g. SFT warm-up, then RL at a smaller lr)."""
-        self._trainer("set_learning_rate", step_open=None).set_lr(lr)
+        self.guard.trainer("set_learning_rate", step_open=None).set_lr(lr)
 
     # --- memory phases (policyworker.memory.phases has the table) ------------------------------
 
@@ -232,33 +263,35 @@ class MegatronPolicyWorker:
         keep = MemoryPhase.LP_INFERENCE_KEEP_TRAIN_BUFFERS
         self._phase(keep if keep_train_buffers else MemoryPhase.LP_INFERENCE)
 
-    def prepare_for_training(self) -> None:
-        """Params, gradients and optimizer state on the device."""
-        self._phase(MemoryPhase.TRAINING)
+    prepare_for_training = _phase_call(
+        MemoryPhase.TRAINING, "Params, gradients and optimizer state on the device."
+    )
+    finish_inference = _phase_call(
+        MemoryPhase.FINISH_INFERENCE, "Params and optimizer state to the host."
+    )
+    offload_before_refit = _phase_call(
+        MemoryPhase.BEFORE_REFIT,
+        "Gradients freed (an open step's to the host), optimizer state to the host.",
+    )
+    offload_after_refit = _phase_call(
+        MemoryPhase.AFTER_REFIT, "Everything to the host: the device keeps only the CUDA context."
+    )
+    pause_train_step_with_offloading = _phase_call(
+        MemoryPhase.PAUSE_TRAIN_STEP,
+        "Params and optimizer state to the host; an open step's gradients stay.",
+    )
 
-    def finish_inference(self) -> None:
-        """Params and optimizer state to the host."""
-        self._phase(MemoryPhase.FINISH_INFERENCE)
-
-    def offload_before_refit(self) -> None:
-        """Gradients freed (an open step's to the host), optimizer state to the host."""
-        self._phase(MemoryPhase.BEFORE_REFIT)
-
-    def offload_after_refit(self) -> None:
-        """Everything to the host: the device keeps only the CUDA context."""
-        self._phase(MemoryPhase.AFTER_REFIT)
-
-    def pause_train_step_with_offloading(self) -> None:
-        """Params and optimizer state to the host; an open step's gradients stay."""
-        self._phase(MemoryPhase.PAUSE_TRAIN_STEP)
-
-    def move_model(self, model: torch.nn.Module, device: str, move_params: bool = True,
-                   move_grads: bool = True) -> torch.nn.Module:  # fmt: skip
+    def move_model(
+        self, model: torch.nn.Module, device: str, move_params: bool = True, move_grads: bool = True
+    ) -> torch.nn.Module:
         """Params and/or gradients to "cpu" or "cuda" (this worker's device; idle grads freed)."""
         if model is not self.state.model and model is not self.state.ddp:
             raise ValueError("model: expected this worker's model")
         self.memory.place_model(
-            Where.of_device(device), params=move_params, grads=move_grads, step_open=self._step_open
+            Where.of_device(device),
+            params=move_params,
+            grads=move_grads,
+            step_open=self.guard.step_open,
         )
         return model
 
@@ -275,7 +308,7 @@ class MegatronPolicyWorker:
         return tensor_parallel_report(self.state.model, self.dims.tp)
 
     def _phase(self, phase: MemoryPhase) -> None:
-        enter_phase(self.memory, phase, step_open=self._step_open)
+        enter_phase(self.memory, phase, step_open=self.guard.step_open)
         if self.trainer is not None and phase not in TRAIN_BUFFERS_KEPT:
             self.trainer.teachers.release()  # a train step stages them again
 
@@ -302,58 +335,85 @@ class MegatronPolicyWorker:
         self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
     ) -> RefitReport | None:
         """Refit the receiver at `get_zmq_address()`; collective (TP/PP), `send=False` gathers."""
-        self._require("stream_weights_via_ipc_zmq", "params")
+        self.guard.require("stream_weights_via_ipc_zmq", "params")
         return self.refit.stream_ipc(
             buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
         )
 
-    def init_collective(self, host: str, port: int, world_size: int,
-                        refit_timeout_s: float | None = None) -> None:  # fmt: skip
+    def init_collective(
+        self, host: str, port: int, world_size: int, refit_timeout_s: float | None = None
+    ) -> None:
         """Form the collective refit group; trainer rank 0 is its rank 0 and hosts host:port."""
         self.refit.join_collective(host, port, world_size, refit_timeout_s)
 
     def broadcast_weights_for_collective(
-        self, refit_timeout_s: float | None = None, buffer_size_bytes: int | None = None,
+        self,
+        refit_timeout_s: float | None = None,
+        buffer_size_bytes: int | None = None,
         num_buffers: int = 2,
-    ) -> RefitReport | None:  # fmt: skip
+    ) -> RefitReport | None:
         """Broadcast every weight to the receivers of `init_collective` (collective over TP/PP)."""
-        self._require("broadcast_weights_for_collective", "params")
+        self.guard.require("broadcast_weights_for_collective", "params")
         return self.refit.broadcast(
             buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, timeout_s=refit_timeout_s
         )
 
     def init_reshard(
-        self, host: str, port: int, sources: int, destinations: int,
+        self,
+        host: str,
+        port: int,
+        sources: int,
+        destinations: int,
         refit_timeout_s: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Join the reshard group (every trainer and destination rank; trainer rank 0 hosts)."""
         self.refit.join_reshard(
-            host, port, sources, destinations, destination=self.is_refit_destination,
+            host,
+            port,
+            sources,
+            destinations,
+            destination=self.is_refit_destination,
             timeout_s=refit_timeout_s,
-        )  # fmt: skip
+        )
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> RefitReport | int | None:
         """Refit `init_reshard`'s destinations in their own TP layout (rank 0: the report)."""
-        self._require("nccl_reshard_refit", "params")
+        self.guard.require("nccl_reshard_refit", "params")
         return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
 
     def init_remote_sparse_delta_baseline(
         self, *, shard_rank: int, shard_count: int, transport: str
     ) -> RefitInfo:
         """Keep this producer's share of the weights as the sparse refit's baseline; refit info."""
-        self._require("init_remote_sparse_delta_baseline", "params")
+        self.guard.require("init_remote_sparse_delta_baseline", "params")
         return self.refit.sparse_baseline(shard_rank, shard_count, transport)
 
-    def stream_remote_sparse_weights(self, transport: str, targets: list[str], *, transfer_id: str,
-        api_key_env_var: str | None, timeout_s: float, shard_rank: int, shard_count: int,
-        overwrite_names: list[str], full_resync: bool = False) -> dict[str, int]:  # fmt: skip
+    def stream_remote_sparse_weights(
+        self,
+        transport: str,
+        targets: list[str],
+        *,
+        transfer_id: str,
+        api_key_env_var: str | None,
+        timeout_s: float,
+        shard_rank: int,
+        shard_count: int,
+        overwrite_names: list[str],
+        full_resync: bool = False,
+    ) -> dict[str, int]:
         """Send the elements changed since the baseline to every receiver (docs/refit.md);
         `full_resync`: every tensor whole, to receivers at any version."""
-        self._require("stream_remote_sparse_weights", "params")
-        call = SparseCall(transport=transport, transfer_id=transfer_id, timeout_s=timeout_s,
-                          api_key_env_var=api_key_env_var, shard_rank=shard_rank,
-                          shard_count=shard_count, overwrite_names=list(overwrite_names),
-                          full_resync=bool(full_resync))  # fmt: skip
+        self.guard.require("stream_remote_sparse_weights", "params")
+        call = SparseCall(
+            transport=transport,
+            transfer_id=transfer_id,
+            timeout_s=timeout_s,
+            api_key_env_var=api_key_env_var,
+            shard_rank=shard_rank,
+            shard_count=shard_count,
+            overwrite_names=list(overwrite_names),
+            full_resync=bool(full_resync),
+        )
         return self.refit.sparse_stream(targets, call)
 
     def finish_remote_sparse_delta_sync(self, *, succeeded: bool) -> None:
@@ -363,17 +423,20 @@ class MegatronPolicyWorker:
     # --- checkpoints (policyworker.checkpoint) and HF export -------------------------------------
 
     def save_checkpoint(
-        self, weights_path: str | Path, optimizer_path: str | Path | None = None,
-        tokenizer_path: str | Path | None = None, async_save: bool | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        weights_path: str | Path,
+        optimizer_path: str | Path | None = None,
+        tokenizer_path: str | Path | None = None,
+        async_save: bool | None = None,
+    ) -> None:
         """Save the weights (and the training state); collective. Async: `finalize_async_save`."""
         if tokenizer_path is not None and self.tokenizer is None:
             raise ValueError("tokenizer_path: this worker has no tokenizer (pass tokenizer=)")
         pending, has_optimizer = self.checkpoints.pending_targets, self.trainer is not None
         paths = check_save_paths(weights_path, optimizer_path, has_optimizer, pending=pending)
-        if paths[1] is not None or self._step_open:
-            self._trainer("save_checkpoint")
-        self._require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
+        if paths[1] is not None or self.guard.step_open:
+            self.guard.trainer("save_checkpoint")
+        self.guard.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
         self.state.overlap.sync_params()  # whole parameters, not the step's pending shards
         step = self.trainer.steps_done if self.trainer else 0
         self.checkpoints.save(
@@ -388,52 +451,30 @@ class MegatronPolicyWorker:
         """Finish and commit the pending async save (collective); False if there was none."""
         return self.checkpoints.finalize()
 
-    def load_checkpoint(self, weights_path: str | Path,
-                        optimizer_path: str | Path | None = None) -> None:  # fmt: skip
+    def load_checkpoint(
+        self, weights_path: str | Path, optimizer_path: str | Path | None = None
+    ) -> None:
         """Load a checkpoint into any layout; collective; `CheckpointError` changes nothing."""
-        if optimizer_path is not None or self._step_open:
-            self._trainer("load_checkpoint", damaged_ok=True)
-        self._require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
+        if optimizer_path is not None or self.guard.step_open:
+            self.guard.trainer("load_checkpoint", damaged_ok=True)
+        self.guard.require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
         opt = None if optimizer_path is None else Path(optimizer_path)
         manifest = self.checkpoints.load(Path(weights_path), opt)
         self.refit.version = int(manifest["weight_version"])
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""
-        self._require("export_hf_weights", "params")
+        self.guard.require("export_hf_weights", "params")
         return self.refit.hf_weights()
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
         """A Hugging Face folder of the live weights (collective; one writer per stage)."""
         tensors, g = self.export_hf_weights(), self.groups
         return save_hf_folder(
-            folder, hf_config=self.hf_config, tensors=tensors, tokenizer=self.tokenizer,
-            writer=g.leads_replica, part=g.pp_rank,
-        )  # fmt: skip
-
-    @property
-    def _step_open(self) -> bool:
-        return self.trainer is not None and self.trainer.step_open
-
-    def _require(self, call: str, *groups: str) -> None:
-        """Refuse a call while the config differs from the one the worker was built from (the
-        services read it once, some parts live: a change would act in some places and not in
-        others, unchecked), or while the named groups of state are off the device."""
-        changed = first_difference(self._as_built, self.cfg)
-        if changed is not None:
-            raise ValueError(
-                f"{call}: cfg.{changed} changed after the worker was built (now "
-                f"{first_value(self.cfg, changed)!r}); a worker's config is fixed: build a new "
-                "worker for another one"
-            )
-        self.memory.require(call, *groups)
-
-    def _trainer(
-        self, call: str, *, step_open: bool | None = False, damaged_ok: bool = False
-    ) -> Trainer:
-        """The trainer, if `call` may use it (see `Trainer.checked`) and the state is intact."""
-        if self.trainer is None:
-            raise ValueError("init_optimizer=False: this worker cannot train")
-        if not damaged_ok:
-            self.checkpoints.require_intact(call)
-        return self.trainer.checked(call, step_open=step_open)
+            folder,
+            hf_config=self.hf_config,
+            tensors=tensors,
+            tokenizer=self.tokenizer,
+            writer=g.leads_replica,
+            part=g.pp_rank,
+        )
