@@ -49,7 +49,7 @@ def copy_seconds(nbytes: int, repeats: int) -> float:
 
 def refit_seconds(worker, gen, repeats: int, checksum: bool) -> tuple[float, int, list[int]]:
     """Median seconds of a whole refit, the trainer's extra peak bytes, the versions applied."""
-    worker.refit.cfg.checksum = checksum
+    worker.refit.weights.cfg.checksum = checksum
     times, versions, peak = [], [], 0
     for _ in range(repeats + 1):  # the first one maps the buffers and warms up
         sync()
@@ -104,7 +104,7 @@ def bench(size: str, repeats: int) -> dict[str, object]:
         "params": n_params,
         "bytes": nbytes,
         "tensors": len(info),
-        "buffer_bytes": worker.refit._bucket_bytes(None),
+        "buffer_bytes": worker.refit.weights.bucket_bytes(None),
         "ours_s": with_sum,
         "ours_gbps": nbytes / with_sum / GB,
         "ours_no_checksum_s": without_sum,

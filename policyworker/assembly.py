@@ -41,7 +41,8 @@ from policyworker.model.weights import SafetensorsReader, check_hf_folder, load_
 from policyworker.ops.logprobs import LogitOptions
 from policyworker.ops.sampling import pad_token
 from policyworker.parallel.dims import Groups, ParallelDims, setup_parallel
-from policyworker.refit.source import RefitSource
+from policyworker.refit.sources import Refit
+from policyworker.refit.weights import RefitWeights
 from policyworker.train.optimizer import (
     build_optimizer,
     build_scheduler,
@@ -190,16 +191,19 @@ def build_state(
     )
 
 
-def build_services(w: Parts, state: PolicyState) -> tuple[RefitSource, Residency, Checkpointer]:
+def build_services(
+    w: Parts, state: PolicyState, *, refit_destination: bool
+) -> tuple[Refit, Residency, Checkpointer]:
     """What refits read, memory phases move and checkpoints save: views of `state`."""
     model, ddp, optimizer = state.model, state.ddp, state.optimizer
-    refit = RefitSource(
+    weights = RefitWeights(
         state.synced_params,
         w.shape,
         w.groups,
         w.device,
         copy.deepcopy(w.cfg.refit),  # its own: the worker's config is fixed once built
     )
+    refit = Refit(weights, destination=refit_destination)
     memory = Residency(
         params=lambda: [*model.parameters(), *model.buffers()],
         grads=lambda: grad_buffers(ddp),

@@ -1,6 +1,7 @@
-"""MegatronPolicyWorker, the public facade: it validates, then delegates to `train.Trainer`,
-`train.Scorer`, `refit.RefitSource`, `memory.Residency` and `checkpoint.Checkpointer` (put
-together by `assembly`). A bad call raises `ValueError` before any state changes.
+"""MegatronPolicyWorker, the public facade: it validates (`guard.Guard`), then delegates to
+`train.Trainer`, `train.Scorer`, `refit.Refit` (a source per transport), `memory.Residency` and
+`checkpoint.Checkpointer` (put together by `assembly`). A bad call raises `ValueError` before any
+state changes.
 
     worker = MegatronPolicyWorker(PolicyConfig(model_name="/ckpt"))
     lp = worker.get_logprobs(data=batch)["logprobs"]                  # [B, S]
@@ -77,7 +78,9 @@ class MegatronPolicyWorker:
         self.trainer = assembly.build_trainer(parts, self.state, self.plan, routers)
         self.scorer = assembly.build_scorer(parts, self.state, self.plan, routers)
         self.sampler = assembly.build_sampler(parts, self.state, routers, tokenizer)
-        self.refit, self.memory, self.checkpoints = assembly.build_services(parts, self.state)
+        self.refit, self.memory, self.checkpoints = assembly.build_services(
+            parts, self.state, refit_destination=is_refit_destination
+        )
         self.guard = Guard(config, self.memory, self.checkpoints, self.trainer)
         if checkpoint is not None:
             self.load_checkpoint(checkpoint, optimizer_path)
@@ -316,7 +319,7 @@ class MegatronPolicyWorker:
 
     def prepare_refit_info(self) -> RefitInfo:
         """`{hf_name: (shape, dtype)}` of the whole model in refit order (collective over PP)."""
-        return self.refit.info()
+        return self.refit.weights.info()
 
     def enable_refit_prequantize(self, param_names: list[str]) -> RefitInfo:
         """Send `param_names` as MXFP8 (+ `*_scale_from_checkpoint`); the updated refit info."""
@@ -324,19 +327,19 @@ class MegatronPolicyWorker:
 
     def get_zmq_address(self) -> str:
         """The ZMQ endpoint this rank's colocated receiver connects to for IPC refits."""
-        return self.refit.address
+        return self.refit.ipc.address
 
     @property
     def weight_version(self) -> int:
         """Version of the last refit this rank sent (0: none); each refit increments it."""
-        return self.refit.version
+        return self.refit.weights.version
 
     def stream_weights_via_ipc_zmq(
         self, buffer_size_bytes: int = 0, refit_timeout_s: float | None = None, send: bool = True
     ) -> RefitReport | None:
         """Refit the receiver at `get_zmq_address()`; collective (TP/PP), `send=False` gathers."""
         self.guard.require("stream_weights_via_ipc_zmq", "params")
-        return self.refit.stream_ipc(
+        return self.refit.ipc.send(
             buffer_size_bytes=buffer_size_bytes, timeout_s=refit_timeout_s, send=send
         )
 
@@ -344,7 +347,7 @@ class MegatronPolicyWorker:
         self, host: str, port: int, world_size: int, refit_timeout_s: float | None = None
     ) -> None:
         """Form the collective refit group; trainer rank 0 is its rank 0 and hosts host:port."""
-        self.refit.join_collective(host, port, world_size, refit_timeout_s)
+        self.refit.collective.join(host, port, world_size, refit_timeout_s)
 
     def broadcast_weights_for_collective(
         self,
@@ -354,7 +357,7 @@ class MegatronPolicyWorker:
     ) -> RefitReport | None:
         """Broadcast every weight to the receivers of `init_collective` (collective over TP/PP)."""
         self.guard.require("broadcast_weights_for_collective", "params")
-        return self.refit.broadcast(
+        return self.refit.collective.send(
             buffer_size_bytes=buffer_size_bytes, num_buffers=num_buffers, timeout_s=refit_timeout_s
         )
 
@@ -367,26 +370,19 @@ class MegatronPolicyWorker:
         refit_timeout_s: float | None = None,
     ) -> None:
         """Join the reshard group (every trainer and destination rank; trainer rank 0 hosts)."""
-        self.refit.join_reshard(
-            host,
-            port,
-            sources,
-            destinations,
-            destination=self.is_refit_destination,
-            timeout_s=refit_timeout_s,
-        )
+        self.refit.reshard.join(host, port, sources, destinations, refit_timeout_s)
 
     def nccl_reshard_refit(self, refit_timeout_s: float | None = None) -> RefitReport | int | None:
         """Refit `init_reshard`'s destinations in their own TP layout (rank 0: the report)."""
         self.guard.require("nccl_reshard_refit", "params")
-        return self.refit.reshard(destination=self.is_refit_destination, timeout_s=refit_timeout_s)
+        return self.refit.reshard.send(timeout_s=refit_timeout_s)
 
     def init_remote_sparse_delta_baseline(
         self, *, shard_rank: int, shard_count: int, transport: str
     ) -> RefitInfo:
         """Keep this producer's share of the weights as the sparse refit's baseline; refit info."""
         self.guard.require("init_remote_sparse_delta_baseline", "params")
-        return self.refit.sparse_baseline(shard_rank, shard_count, transport)
+        return self.refit.sparse.baseline(shard_rank, shard_count, transport)
 
     def stream_remote_sparse_weights(
         self,
@@ -414,11 +410,11 @@ class MegatronPolicyWorker:
             overwrite_names=list(overwrite_names),
             full_resync=bool(full_resync),
         )
-        return self.refit.sparse_stream(targets, call)
+        return self.refit.sparse.send(targets, call)
 
     def finish_remote_sparse_delta_sync(self, *, succeeded: bool) -> None:
         """After every receiver applied the refit: advance the baseline (`succeeded`) or not."""
-        self.refit.sparse_finish(succeeded)
+        self.refit.sparse.finish(succeeded)
 
     # --- checkpoints (policyworker.checkpoint) and HF export -------------------------------------
 
@@ -441,7 +437,7 @@ class MegatronPolicyWorker:
         step = self.trainer.steps_done if self.trainer else 0
         self.checkpoints.save(
             *paths,
-            counters={"step": step, "weight_version": self.refit.version},
+            counters={"step": step, "weight_version": self.refit.weights.version},
             tokenizer=self.tokenizer,
             async_save=self.cfg.checkpoint.async_save if async_save is None else async_save,
             tokenizer_path=None if tokenizer_path is None else Path(tokenizer_path),
@@ -460,12 +456,12 @@ class MegatronPolicyWorker:
         self.guard.require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
         opt = None if optimizer_path is None else Path(optimizer_path)
         manifest = self.checkpoints.load(Path(weights_path), opt)
-        self.refit.version = int(manifest["weight_version"])
+        self.refit.weights.version = int(manifest["weight_version"])
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""
         self.guard.require("export_hf_weights", "params")
-        return self.refit.hf_weights()
+        return self.refit.weights.hf_weights()
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
         """A Hugging Face folder of the live weights (collective; one writer per stage)."""

@@ -32,14 +32,14 @@ SMALL_BUFFER = 8192  # several buckets, and tensors larger than a buffer, on the
 def send_tampered(worker, tamper, *, bucket_bytes: int, timeout_s: float, version: int = 1):
     """The worker's refit, checksummed, through `send_ipc` with `tamper` called on every packed
     bucket after its checksum (to corrupt it, or to kill the receiver at a chosen bucket)."""
-    src = worker.refit
+    src = worker.refit.weights
     info = src.info()
     params = global_named_parameters(worker.state.model)
     with tampering(tamper):
         send_ipc(
             model_tensors(params, src.shape, src.groups, info, src._owners, src.device),
             Layout(info, bucket_bytes),
-            link=src.link,
+            link=worker.refit.ipc.link,
             version=version,
             timeout_s=timeout_s,
             use_checksum=True,

@@ -60,7 +60,7 @@ class Layout:
 
     def __init__(self, info: RefitInfo, bucket_bytes: int | None) -> None:
         """`bucket_bytes=None`: slots only (a receiver does not cut buckets). Callers check
-        a user's size (`refit.source.check_refit_args`)."""
+        a user's size (`refit.weights.check_refit_args`)."""
         assert bucket_bytes is None or bucket_bytes >= ALIGN, bucket_bytes
         self.info = dict(info)
         self.bucket_bytes = bucket_bytes
