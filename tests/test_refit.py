@@ -57,6 +57,21 @@ def test_refit_info_is_the_export_in_order(llama_dir):
     assert info["model.embed_tokens.weight"][0][0] == worker.shape.vocab_size
 
 
+def test_a_transport_used_before_it_is_joined_is_refused_by_name(llama_dir):
+    """Each refit source knows whether it was joined: a collective or reshard refit, or a sparse
+    one without its baseline, raises `ValueError` naming the call to make first; nothing moved."""
+    worker = make_worker(llama_dir)
+    calls = (
+        (worker.broadcast_weights_for_collective, "init_collective"),
+        (worker.nccl_reshard_refit, "init_reshard"),
+        (worker.finish_remote_sparse_delta_sync, "init_remote_sparse_delta_baseline"),
+    )
+    for call, first in calls:
+        with pytest.raises(ValueError, match=first):
+            call(**({"succeeded": True} if first.endswith("baseline") else {}))
+    assert worker.weight_version == 0
+
+
 def test_layout_aligns_every_tensor_and_covers_it_once(llama_dir):
     info = make_worker(llama_dir).prepare_refit_info()
     layout = Layout(info, SMALL_BUFFER)
