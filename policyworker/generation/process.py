@@ -23,7 +23,7 @@ import logging
 import multiprocessing as mp
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -281,8 +281,6 @@ def _serve(
 ) -> None:
     """The process: build the engine and its staging area, then answer commands until close."""
     from policyworker.generation.engine import HFEngine
-    from policyworker.refit.collective import receive_refit
-    from policyworker.refit.group import join_refit_group
     from policyworker.refit.ipc import receive_ipc
     from policyworker.refit.receiver import Staging
 
@@ -295,7 +293,14 @@ def _serve(
     targets = engine.refit_targets(info)
     staging = Staging(info, targets, adopt=True, shared=shared_staging)  # adopt: no CUDA graphs
     conn.send_bytes(pack((0, "ok", None)))
-    handlers = {
+    collective = _Collective(engine.device)
+
+    def loaded(version: int) -> int:
+        engine.load_mxfp8(staging.targets)  # MXFP8 slots dequantized into the model
+        return version
+
+    sparse = _SparseSide(targets, info)
+    handlers: dict[str, Callable[..., Any]] = {  # each command's payload, as its arguments
         "sample": lambda args, kw: engine.sample(*args, **kw),
         "logprobs": lambda args, kw: engine.logprobs(*args, **kw),
         "weights": lambda args, kw: {
@@ -303,41 +308,56 @@ def _serve(
         },
         "weight_sums": lambda args, kw: {n: tensor_sums(t) for n, t in staging.targets.items()},
         "version": lambda args, kw: staging.version,
+        "bind_sparse": lambda args, kw: sparse.bind(**kw),
+        "refit_sparse": sparse.receive,
+        "refit_ipc": lambda address, timeout_s: loaded(
+            receive_ipc(staging, address=address, timeout_s=timeout_s)
+        ),
+        "refit_collective": lambda timeout_s: loaded(collective.receive(staging, timeout_s)),
     }
-    group, group_error = None, None
-    sparse = _SparseSide(targets, info)
-    handlers["bind_sparse"] = lambda args, kw: sparse.bind(**kw)
-    handlers["refit_sparse"] = lambda *payload: sparse.receive(*payload)
     while True:
         command, name, payload = unpack(conn.recv_bytes())
         if name == "close":
             exit_now()  # nothing left to do: skip the interpreter's second of teardown
         if name == "init_collective":  # no answer: the trainer joins after us
-            host, port, world_size, rank, timeout_s = payload
-            try:
-                group = join_refit_group(
-                    host, port, world_size, rank, device=engine.device, timeout_s=timeout_s
-                )
-            except Exception:
-                group_error = traceback.format_exc()
+            collective.join(*payload)
             continue
         try:
-            if group_error is not None:
-                raise RuntimeError(f"joining the refit group failed:\n{group_error}")
-            if name == "refit_ipc":
-                address, timeout_s = payload
-                value = receive_ipc(staging, address=address, timeout_s=timeout_s)
-                engine.load_mxfp8(staging.targets)
-            elif name == "refit_collective":
-                if group is None:
-                    raise RuntimeError("refit_collective: init_collective() first")
-                value = receive_refit(group, staging, device=engine.device, timeout_s=payload[0])
-                engine.load_mxfp8(staging.targets)
-            else:
-                value = handlers[name](*payload)
-            answer = (command, "ok", value)
+            collective.check()
+            answer = (command, "ok", handlers[name](*payload))
         except RefitError as e:
             answer = (command, "refit_error", str(e))
         except Exception:
             answer = (command, "error", traceback.format_exc())
         conn.send_bytes(pack(answer))  # tensors by value
+
+
+class _Collective:
+    """The engine's collective refit group. Joined without an answer (the group forms when the
+    trainer joins, after us); a failure to join is raised by every later command."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.group: Any = None
+        self.error: str | None = None
+
+    def join(self, host: str, port: int, world_size: int, rank: int, timeout_s: float) -> None:
+        from policyworker.refit.group import join_refit_group
+
+        try:
+            self.group = join_refit_group(
+                host, port, world_size, rank, device=self.device, timeout_s=timeout_s
+            )
+        except Exception:
+            self.error = traceback.format_exc()
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"joining the refit group failed:\n{self.error}")
+
+    def receive(self, staging: Any, timeout_s: float) -> int:
+        from policyworker.refit.collective import receive_refit
+
+        if self.group is None:
+            raise RuntimeError("refit_collective: init_collective() first")
+        return receive_refit(self.group, staging, device=self.device, timeout_s=timeout_s)
