@@ -222,6 +222,7 @@ def build_services(
         precision=w.cfg.precision,
         optimizer_config=w.cfg.optimizer,
         scheduler_config=w.cfg.scheduler,
+        refit=weights,
     )
     ckpt = w.cfg.checkpoint
     checkpoints = Checkpointer(

@@ -434,10 +434,8 @@ class MegatronPolicyWorker:
             self.guard.trainer("save_checkpoint")
         self.guard.require("save_checkpoint", "params", *(("optimizer",) if paths[1] else ()))
         self.state.overlap.sync_params()  # whole parameters, not the step's pending shards
-        step = self.trainer.steps_done if self.trainer else 0
         self.checkpoints.save(
             *paths,
-            counters={"step": step, "weight_version": self.refit.weights.version},
             tokenizer=self.tokenizer,
             async_save=self.cfg.checkpoint.async_save if async_save is None else async_save,
             tokenizer_path=None if tokenizer_path is None else Path(tokenizer_path),
@@ -455,8 +453,7 @@ class MegatronPolicyWorker:
             self.guard.trainer("load_checkpoint", damaged_ok=True)
         self.guard.require("load_checkpoint", *(GROUPS if optimizer_path else ("params",)))
         opt = None if optimizer_path is None else Path(optimizer_path)
-        manifest = self.checkpoints.load(Path(weights_path), opt)
-        self.refit.weights.version = int(manifest["weight_version"])
+        self.checkpoints.load(Path(weights_path), opt)
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor) of this pipeline stage, TP shards gathered (collective over TP)."""

@@ -4,7 +4,7 @@
     ckpt.save(weights_dir, optimizer_dir, async_save=True)   # returns after host staging
     ...                                                       # train on; the write goes on
     ckpt.finalize()                                           # wait, then commit (rename)
-    counters = ckpt.load(weights_dir, optimizer_dir)
+    ckpt.load(weights_dir, optimizer_dir)                     # weights, state, counters
 
 Sync and async saves are one path: the same write requests run inline or in a background thread,
 so their files are identical. Every save is collective (all ranks call it); each directory is
@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from megatron.core import dist_checkpointing
@@ -77,6 +77,12 @@ class Trainee:
     precision: str
     optimizer_config: OptimizerConfig
     scheduler_config: SchedulerConfig
+    refit: Versioned
+    """What holds the version of the last refit (saved, and restored by a load)."""
+
+
+class Versioned(Protocol):
+    version: int
 
 
 _UNFINISHED: set[Checkpointer] = set()
@@ -123,7 +129,6 @@ class Checkpointer:
         weights_path: Path,
         optimizer_path: Path | None,
         *,
-        counters: dict[str, int],
         tokenizer: Any | None,
         async_save: bool,
         tokenizer_path: Path | None = None,
@@ -137,7 +142,8 @@ class Checkpointer:
         save_id = from_rank0(lambda: save_id)
         base = {
             "save_id": save_id,
-            **counters,
+            "step": 0 if t.scheduler is None else int(t.scheduler.num_steps),
+            "weight_version": t.refit.version,
             "model": model_fields(t.shape),
             "precision": t.precision,
             "layout": manifest_layout(t),
@@ -269,8 +275,9 @@ class Checkpointer:
     # --- load ------------------------------------------------------------------------------------
 
     def load(self, weights_path: Path, optimizer_path: Path | None) -> dict[str, Any]:
-        """Load a checkpoint into the live model (and optimizer, scheduler, RNG); returns the
-        weights manifest. Every check and every read happens before a live tensor changes."""
+        """Load a checkpoint into the live model (and optimizer, scheduler, RNG) and the refit
+        version it was saved at; returns the weights manifest. Every check and every read
+        happens before a live tensor changes."""
         t = self.t
         self.finalize()
         manifest = read_manifest(weights_path, "weights_path")
@@ -310,6 +317,7 @@ class Checkpointer:
             ) from e
         if opt_loaded is not None:
             self.damaged = None
+        t.refit.version = int(manifest["weight_version"])
         return manifest
 
 
