@@ -1,5 +1,6 @@
-"""Reductions over data-parallel ranks: a step's metrics (summed, or min / max), each micro-batch's
-(NeMo-RL's `all_mb_metrics`), and the counts a loss is normalized by."""
+"""A step's metrics over data-parallel ranks: summed, or min / max (`reduce_metrics`), and each
+micro-batch's (NeMo-RL's `all_mb_metrics`); the counts a loss is normalized by are
+`train/counts.py`."""
 
 from __future__ import annotations
 
@@ -38,14 +39,3 @@ def per_microbatch(
     everyone: list[dict[str, list[float]]] = [{} for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(everyone, mine, group=group)
     return {k: [v for rank in everyone for v in rank.get(k, [])] for k in mine}
-
-
-def sum_over_dp(
-    local: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None
-) -> dict[str, torch.Tensor]:
-    """Counts (`global_valid_toks`, ...) summed over the data-parallel ranks."""
-    names = sorted(local)
-    stacked = torch.stack([local[n].float() for n in names])
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(stacked, group=dp_group)
-    return dict(zip(names, stacked.unbind(), strict=True))

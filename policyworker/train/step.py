@@ -34,15 +34,16 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.data.microbatch import Microbatch, MicrobatchPlan
-from policyworker.losses.common import EPS, Loss, LossInputs, valid_counts
+from policyworker.losses.common import EPS, Loss, LossInputs
 from policyworker.model.build import set_mode
 from policyworker.ops.logprobs import Head, LogitOptions
 from policyworker.parallel.dims import Groups, broadcast_object_from_last_stage
+from policyworker.train.counts import sum_over_dp
 from policyworker.train.grads import FirstTouchDDP
 from policyworker.train.loss_inputs import loss_inputs
 from policyworker.train.optimizer import optimizer_step
 from policyworker.train.overlap import Overlap
-from policyworker.train.reduce import per_microbatch, reduce_metrics, sum_over_dp
+from policyworker.train.reduce import per_microbatch, reduce_metrics
 from policyworker.train.routing import RouterRun
 from policyworker.train.schedule import run_microbatches, split_evenly
 from policyworker.train.teacher import TeacherHeads
@@ -76,7 +77,7 @@ class StepSpec:
     """Global counts given up front (losses without one normalizer); None: normalize at finish."""
     balance_scale: float = 1.0
     """What an MoE load-balancing loss's gradient is multiplied by, so that after the step's
-    normalization it is divided by the loss tokens (`balance_scale_for`)."""
+    normalization it is divided by the loss tokens (`train.counts.balance_scale_for`)."""
     whole: bool = False
     """The step is one chunk (`train()`): an overlapped grad reduce may start in its backward."""
 
@@ -230,29 +231,6 @@ def zero_grads(ddp: torch.nn.Module, optimizer: Any) -> None:
     buffers keep stale values that the next step's first gradients overwrite)."""
     ddp.zero_grad_buffer()
     optimizer.zero_grad()
-
-
-def balance_scale_for(
-    loss_fn: Loss, batch: BatchedDataDict, known: dict[str, torch.Tensor] | None, groups: Groups
-) -> float:
-    """The load-balancing gradient's scale for a step of `batch` (this rank's share of a global
-    batch): 1 / loss tokens with counts given up front, else loss normalizer / loss tokens (the
-    finish divides every gradient by the normalizer). Collective over DP."""
-    toks = sum_over_dp(valid_counts(batch), groups.dp)["global_valid_toks"]
-    if known is not None:
-        return 1.0 / (float(toks) + EPS)
-    normalizer = loss_fn.normalizer
-    assert normalizer is not None
-    if normalizer == "global_valid_toks":
-        return 1.0
-    return float(sum_over_dp(loss_fn.counts(batch), groups.dp)[normalizer]) / (float(toks) + EPS)
-
-
-def known_counts_for(
-    loss_fn: Loss, batch: BatchedDataDict, groups: Groups
-) -> dict[str, torch.Tensor] | None:
-    """The global counts `train()` hands a loss without one normalizer; None for the others."""
-    return None if loss_fn.normalizer is not None else sum_over_dp(loss_fn.counts(batch), groups.dp)
 
 
 def summarize(results: list[StepResult]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from policyworker.losses.common import Loss
 from policyworker.model.routers import Routers
 from policyworker.ops.logprobs import LogitOptions
 from policyworker.parallel.dims import Groups
+from policyworker.train.counts import balance_scale_for, known_counts_for
 from policyworker.train.optimizer import optimizer_parts, optimizer_state_bytes
 from policyworker.train.overlap import Overlap
 from policyworker.train.routing import RouterRun
@@ -32,10 +33,8 @@ from policyworker.train.step import (
     StepResult,
     StepSpec,
     add_chunk,
-    balance_scale_for,
     check_batch_sizes,
     finish_step,
-    known_counts_for,
     open_step,
     summarize,
     zero_grads,
