@@ -42,7 +42,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from policyworker.config import MoEConfig, RecomputeConfig
 from policyworker.model.attention.core import CoreAttention
-from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
+from policyworker.model.chunked_mlp import ChunkedMLP
 from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
 from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
 from policyworker.model.norm import RMSNorm
@@ -211,7 +211,7 @@ def build_gpt_model(
 ) -> GPTModel:
     """A GPTModel with this rank's shard of `shape`, on the current device, weights unset; with
     `moe.freeze_moe_router` its routers take no gradient; its dense MLPs run `mlp_chunk_tokens`
-    tokens at a time in forwards without gradient (`ChunkedMLP`); its attention runs the phases
+    tokens at a time while scoring or generating (`ChunkedMLP`); its attention runs the phases
     of `paths`."""
     on_gpu = torch.cuda.is_available()
     moe = moe or MoEConfig()
@@ -245,8 +245,7 @@ def build_gpt_model(
     )
     # HF's frequencies (incl. llama3 scaling with its own low/high factors), not megatron's.
     inv_freq = rope_inv_freq(hf_config, shape.head_dim).to("cuda" if on_gpu else "cpu")
-    paths.install(model, inv_freq)
-    set_chunk(model, mlp_chunk_tokens)
+    paths.install(model, inv_freq, mlp_chunk_tokens)
     for name, param in model.named_parameters():  # before DDP and the optimizer see them
         if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):
             param.requires_grad_(False)

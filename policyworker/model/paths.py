@@ -36,6 +36,7 @@ from policyworker.model.attention.kernels import ByRows, Exact, Flash
 from policyworker.model.attention.layout import Kernels
 from policyworker.model.attention.rotary import Rotary, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
+from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
 from policyworker.ops.compiled import triton_on
 
 
@@ -69,18 +70,30 @@ class ForwardPaths:
         """RoPE's frequencies for generation's positions (every layer has the same)."""
         self.dtype = dtype
         self.switch = Switch(self.training)
+        self.mlps: list[ChunkedMLP] = []
+        self.mlp_chunk_tokens: int | None = None
+        """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
+        runs them whole."""
 
-    def install(self, model: torch.nn.Module, inv_freq: torch.Tensor) -> None:
-        """Every core attention of `model` runs this object's phases, with RoPE at `inv_freq`."""
+    def install(
+        self, model: torch.nn.Module, inv_freq: torch.Tensor, mlp_chunk_tokens: int | None
+    ) -> None:
+        """Every core attention of `model` runs this object's phases, with RoPE at `inv_freq`;
+        its dense MLPs run `mlp_chunk_tokens` tokens at a time while scoring or generating."""
         self.rotary.inv_freq = inv_freq
         for module in model.modules():
             if isinstance(module, CoreAttention):
                 module.rotary.inv_freq, module.rotary.rotate = inv_freq, self.rotary.rotate
                 module.switch = self.switch
+            elif isinstance(module, ChunkedMLP):
+                self.mlps.append(module)
+        self.mlp_chunk_tokens = mlp_chunk_tokens
 
-    def scoring(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def scoring(self) -> Iterator[None]:
         """The scoring phase until exit."""
-        return self.switch.using(self.score)
+        with self.switch.using(self.score), self._chunked():
+            yield
 
     @contextlib.contextmanager
     def generating(self, model: torch.nn.Module, capacity: int) -> Iterator[Generating]:
@@ -89,8 +102,17 @@ class ForwardPaths:
         g = self.generation
         cache = KVCache(capacity)
         phase = Generating(cache, g.prefill, g.decode, g.write, self.rotary, self.dtype)
-        with self.switch.using(phase), g.rows.around(model):
+        with self.switch.using(phase), g.rows.around(model), self._chunked():
             yield phase
+
+    @contextlib.contextmanager
+    def _chunked(self) -> Iterator[None]:
+        """The dense MLPs chunked until exit (they keep nothing for a backward then)."""
+        set_chunk(self.mlps, self.mlp_chunk_tokens)
+        try:
+            yield
+        finally:
+            set_chunk(self.mlps, None)
 
 
 def choose_paths(
