@@ -144,6 +144,8 @@ class Policy:
         self.cfg = config
         hf_config = load_hf_config(config.model_name, require_weights=weights_path is None)
         self.shape = model_shape(hf_config)
+        self.rules = BatchRules(config.max_total_sequence_length, self.shape.vocab_size)
+        """What every batch meets, checked here before a worker sees it (as each worker does)."""
         # generated rows of different shards: padded as one worker pads them
         self._pads = {"output_ids": pad_token(hf_config, tokenizer), ROUTES: -1}
         check_layout(p, self.shape, config.moe, config.recompute)
@@ -308,9 +310,7 @@ class Policy:
         data = args[call.sharded]  # type: ignore[index]
         loss = args.get("loss_fn")
         required = loss.required_keys if isinstance(loss, Loss) else ()
-        b, _ = BatchRules(self.cfg.max_total_sequence_length, self.shape.vocab_size).check(
-            data, required
-        )
+        b, _ = self.rules.check(data, required)
         if call.indexed:
             check_row_ids(data)
         dp = self.mesh.dp
