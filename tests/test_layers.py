@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("config", "logs", "losses", "ops", "memory", "compat"), 0),  # nothing of ours
     "schema": -1,  # the basement: config dataclasses from mappings, for config and losses
     "wire": -1,  # the basement: messages between our processes, tensors by value
+    "rpc": -1,  # the basement: requests and replies to the processes we start
 }
 APART = {0, 2}  # layers whose parts must not import each other
 

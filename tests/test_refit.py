@@ -437,10 +437,10 @@ def test_a_timed_out_command_never_answers_the_next_one(llama_dir):
 
         def interrupt_once(method: str) -> None:  # a Ctrl-C at that point of the next call
             def hit(*args: object, **kwargs: object) -> None:
-                delattr(gen._conn, method)
+                delattr(gen._pipe.conn, method)
                 raise KeyboardInterrupt
 
-            setattr(gen._conn, method, hit)
+            setattr(gen._pipe.conn, method, hit)
 
         interrupt_once("poll")  # while waiting: its answer comes late and is dropped
         with pytest.raises(KeyboardInterrupt):
@@ -450,6 +450,6 @@ def test_a_timed_out_command_never_answers_the_next_one(llama_dir):
         with pytest.raises(KeyboardInterrupt):
             gen.weights()
         start = time.monotonic()
-        with pytest.raises(EngineError, match="out of step: interrupted while reading"):
+        with pytest.raises(EngineError, match=r"interrupted while reading .* out of step"):
             gen.logprobs(small["input_ids"], small["input_lengths"])
         assert time.monotonic() - start < 1  # at once, not after a timeout

@@ -165,8 +165,9 @@ def test_a_refused_refit_changes_nothing_and_the_next_resends_it(llama_dir, monk
         target = gen.bind_sparse(api_key=KEY)
         assert gen.bind_sparse(api_key=KEY) == target  # the same settings: the same receiver
         for other in (dict(api_key="another key"), dict(api_key=KEY, host="0.0.0.0")):
-            with pytest.raises(EngineError, match="bound already with another key or host"):
-                gen.bind_sparse(**other)
+            with pytest.raises(ValueError, match="bound already with another key or host") as e:
+                gen.bind_sparse(**other)  # the engine's own error, its traceback the cause
+            assert isinstance(e.value.__cause__, EngineError)
         before = gen.weights()
         worker.train(data, NLLLoss())
         real = sparse.encode

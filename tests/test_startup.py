@@ -139,12 +139,14 @@ def test_a_result_the_driver_cannot_unpickle_is_that_ranks_error():
     import pickle
 
     from policyworker.driver.group import Answers
+    from policyworker.rpc import Reply
 
     answers = Answers(call="get_logprobs", call_id=3, world_size=2, failure_timeout_s=1.0,
                       call_timeout_s=None)  # fmt: skip
     bad = pickle.dumps(1).replace(b"K", b"c")  # an opcode whose argument is not there
-    answers.add(0, (3, "ok", pack({"x": torch.ones(2)}), 0.1))
-    answers.add(1, (3, "ok", bad, 0.1))
+    answers.add(0, Reply(3, pack({"x": torch.ones(2)}), 0.1))
+    answers.add(1, Reply(3, bad, 0.1))
     assert torch.equal(answers.values[0]["x"], torch.ones(2))
-    assert 1 not in answers.values and "does not unpickle in the driver" in answers.errors[1]
+    assert 1 not in answers.values
+    assert "does not unpickle in the driver" in answers.errors[1].traceback
     assert answers.pending == []

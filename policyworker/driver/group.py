@@ -22,15 +22,14 @@ what a dead or hung rank gives (and an exception that does not survive pickling)
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
-import pickle
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from traceback import format_exc
 from typing import Any, Protocol
 
+from policyworker.rpc import Failure, Reply
 from policyworker.wire import unpack
 
 log = logging.getLogger(__name__)
@@ -86,9 +85,7 @@ class Answers:
     """The backend's pending handles of this call and their ranks (Ray: object refs)."""
     started: float = field(default_factory=time.monotonic)
     values: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    raised: dict[int, Exception] = field(default_factory=dict)
-    """The exceptions ranks raised, where they survived the trip."""
+    errors: dict[int, Failure] = field(default_factory=dict)
     dead: dict[int, str] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
     first_error_at: float | None = None
@@ -101,33 +98,29 @@ class Answers:
         done = self.values.keys() | self.errors.keys() | self.dead.keys()
         return [r for r in range(self.world_size) if r not in done]
 
-    def add(self, rank: int, answer: tuple[int, str, Any, float]) -> None:
-        call_id, status, value, seconds = answer
-        if call_id != self.call_id:  # an earlier call's: never this one's answer
-            log.warning(
-                "rank %d: dropped an answer to call %d (waiting for %d)",
-                rank,
-                call_id,
-                self.call_id,
-            )
+    def add(self, rank: int, reply: Reply) -> None:
+        if reply.id != self.call_id:  # an earlier call's: never this one's answer
+            log.warning("rank %d: dropped an answer to call %d", rank, reply.id)
             return
-        if status == "ok":
-            try:
-                self.values[rank] = unpack(value)
-                self.seconds[rank] = seconds
-                return
-            except Exception:  # e.g. a result of a class the driver cannot import
-                value = (f"its result does not unpickle in the driver:\n{format_exc()}", None)
-        self.errors[rank], blob = value
-        if blob is not None:
-            with contextlib.suppress(Exception):  # e.g. a type this process cannot import
-                self.raised[rank] = pickle.loads(blob)
+        if isinstance(reply.value, Failure):
+            self._failed(rank, reply.value)
+            return
+        try:
+            self.values[rank] = unpack(reply.value)
+            self.seconds[rank] = reply.seconds
+        except Exception:  # e.g. a result of a class the driver cannot import
+            self._failed(
+                rank, Failure(f"its result does not unpickle in the driver:\n{format_exc()}")
+            )
+
+    def _failed(self, rank: int, failure: Failure) -> None:
+        self.errors[rank] = failure
         self.first_error_at = self.first_error_at or time.monotonic()
 
     def drain(self) -> None:
         """Take in the answers read so far (again, after an interrupt: `add` is idempotent)."""
         for rank in list(self.inbox):
-            self.add(rank, pickle.loads(self.inbox[rank]))
+            self.add(rank, Reply.read(self.inbox[rank]))
             del self.inbox[rank]
 
     def died(self, rank: int, how: str) -> None:
@@ -153,17 +146,13 @@ class Answers:
         hung = self.pending
         if self.errors:
             rank = min(self.errors)
-            detail = self.errors[rank]
-            if hung:
-                detail += f"\nranks {hung} did not answer within {self.failure_timeout_s} s"
-            error = WorkerError(rank, self.call, detail, broken=bool(hung))
-            raised = self.raised.get(rank)
-            if raised is None or hung:
-                raise error from raised
-            raised.add_note(
-                f"policyworker: raised by rank {rank} in {self.call} (cause: its traceback)"
-            )
-            raise raised from error
+            failure = self.errors[rank]
+            if hung:  # the group is broken: that is the news, not the rank's own error
+                late = f"ranks {hung} did not answer within {self.failure_timeout_s} s"
+                error = WorkerError(rank, self.call, f"{failure.traceback}\n{late}", broken=True)
+                raise error from failure.exception()
+            error = WorkerError(rank, self.call, failure.traceback, broken=False)
+            failure.raise_as(error, f"rank {rank} in {self.call}")
         if hung:
             raise WorkerError(
                 hung[0], self.call, f"no answer within {self.call_timeout_s} s", broken=True

@@ -1,7 +1,7 @@
-"""The local backend: one spawned process per rank on this machine, commands over pipes.
+"""The local backend: one spawned process per rank on this machine, `rpc` requests over pipes.
 
-Messages are plain pickles (tensors by value): for the batches a call carries this is faster
-than multiprocessing's default of one shared-memory file per tensor, and leaves no such files.
+Tensors travel by value (`wire`): for the batches a call carries this is faster than
+multiprocessing's default of one shared-memory file per tensor, and leaves no such files.
 
 A rank's death shows as its process sentinel becoming ready, so a killed worker fails the call
 at once instead of leaving the driver waiting on its pipe.
@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import pickle
 from collections.abc import Iterator
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
+from policyworker import rpc
 from policyworker.driver.group import Answers, GroupState, WorkerError
-from policyworker.driver.worker_side import serve
+from policyworker.driver.worker_side import START, serve
 from policyworker.parallel.dims import free_port
 
 
@@ -51,7 +51,7 @@ class LocalGroup(GroupState):
     ) -> None:
         super().__init__(world_size, failure_timeout_s, call_timeout_s)
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
-        self._conns: list[Connection] = []
+        self._pipes: list[rpc.Pipe] = []
         self._procs: list[mp.process.BaseProcess] = []
         master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         for env in envs:
@@ -61,29 +61,27 @@ class LocalGroup(GroupState):
             with _environ({**env, **master}):  # from the interpreter's start, as torchrun does
                 proc.start()
             child.close()
-            self._conns.append(parent)
+            self._pipes.append(rpc.Pipe(parent))
             self._procs.append(proc)
         self.pids = [p.pid or 0 for p in self._procs]
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
-        answers = self._answers("start", timeout_s, check=False)
-        self._call(answers, self._requests(answers, "start", [kwargs] * self.world_size))
+        answers = self._answers(START, timeout_s, check=False)
+        self._call(answers, self._requests(answers, [kwargs] * self.world_size))
 
     def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
         answers = self._answers(call, self.call_timeout_s)
-        return self._call(answers, self._requests(answers, "call", [(call, kw) for kw in kwargs]))
+        return self._call(answers, self._requests(answers, kwargs))
 
     @staticmethod
-    def _requests(answers: Answers, kind: str, payloads: list[Any]) -> list[tuple[bytes, bytes]]:
-        """Every rank's request, pickled before any is sent (a payload that does not pickle
-        fails the call with nothing sent)."""
-        header = pickle.dumps((answers.call_id, kind))
-        return [(header, pickle.dumps(p, protocol=5)) for p in payloads]
+    def _requests(answers: Answers, kwargs: list[dict[str, Any]]) -> list[rpc.Request]:
+        """Every rank's request, pickled before any is sent (arguments that do not pickle fail
+        the call with nothing sent)."""
+        return [rpc.request(answers.call_id, answers.call, kw) for kw in kwargs]
 
-    def _send(self, rank: int, answers: Answers, request: tuple[bytes, bytes]) -> None:
+    def _send(self, rank: int, answers: Answers, request: rpc.Request) -> None:
         try:
-            for frame in request:
-                self._conns[rank].send_bytes(frame)
+            self._pipes[rank].send(request, answers.call)
         except (BrokenPipeError, OSError) as e:
             answers.died(rank, f"its process is gone ({e!r})")
 
@@ -95,7 +93,7 @@ class LocalGroup(GroupState):
                 return
             watched = {}
             for rank in answers.pending:
-                watched[self._conns[rank]] = rank
+                watched[self._pipes[rank].conn] = rank
                 watched[self._procs[rank].sentinel] = rank
             for ready in wait(list(watched), wait_s):
                 self._take(watched[ready], answers)
@@ -103,9 +101,8 @@ class LocalGroup(GroupState):
     def _take(self, rank: int, answers: Answers) -> None:
         if rank not in answers.pending:
             return  # both its pipe and its sentinel were ready
-        conn = self._conns[rank]
         try:
-            if conn.poll():
+            if self._pipes[rank].conn.poll():
                 answers.inbox[rank] = self._read(rank, answers.call)
                 answers.drain()
                 return
@@ -121,34 +118,27 @@ class LocalGroup(GroupState):
     def _read(self, rank: int, call: str) -> bytes:
         """One answer off rank's pipe. Interrupted part-way, the pipe is out of step (the rest
         of that answer would be read as the next): the group is broken, and says why."""
+        pipe = self._pipes[rank]
         try:
-            return self._conns[rank].recv_bytes()
+            return pipe.receive(call)
         except (EOFError, OSError):
             raise
-        except BaseException as e:
-            self.broken = WorkerError(
-                rank,
-                call,
-                f"the driver was interrupted while reading this rank's answer ({e!r}): its pipe "
-                "is out of step",
-                broken=True,
-            )
+        except BaseException:
+            self.broken = WorkerError(rank, call, f"the driver was {pipe.torn}", broken=True)
             raise
 
     def shutdown(self) -> None:
         """Ask every process to stop; kill what is still alive after a few seconds."""
-        for conn, proc in zip(self._conns, self._procs, strict=True):
+        for pipe, proc in zip(self._pipes, self._procs, strict=True):
             if proc.is_alive() and self.broken is None:
-                with contextlib.suppress(BrokenPipeError, OSError):
-                    conn.send_bytes(pickle.dumps((0, "close")))
-                    conn.send_bytes(b"")
+                pipe.ask_to_close()
         for proc in self._procs:
             proc.join(10 if self.broken is None else 0.1)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for conn in self._conns:
-            conn.close()
+        for pipe in self._pipes:
+            pipe.conn.close()
 
 
 def local_envs(world_size: int, extra: dict[str, str]) -> list[dict[str, str]]:

@@ -13,8 +13,9 @@ import os
 import sys
 from typing import Any
 
+from policyworker import rpc
 from policyworker.driver.group import Answers, GroupState
-from policyworker.driver.worker_side import WorkerHost, failure
+from policyworker.driver.worker_side import START, WorkerHost
 from policyworker.parallel.dims import free_port
 
 _PLACEMENT_TIMEOUT_S = 120.0
@@ -28,6 +29,13 @@ class RayHost(WorkerHost):
         import ray
 
         return ray.util.get_node_ip_address(), free_port()
+
+    def environ(self, env: dict[str, str]) -> None:
+        """Where rank 0 listens, known only once the actors run."""
+        os.environ.update(env)
+
+    def call(self, call_id: int, kind: str, kwargs: dict[str, Any]) -> rpc.Reply:
+        return rpc.answer(call_id, self.handle, kind, kwargs)
 
 
 class RayGroup(GroupState):
@@ -90,15 +98,14 @@ class RayGroup(GroupState):
             self._actors.append(actor)
             self._init_kwargs.append(init_kwargs)
         host, port = ray.get(self._actors[0].address.remote())
-        self._master = {"MASTER_ADDR": host, "MASTER_PORT": str(port)}
+        master = {"MASTER_ADDR": host, "MASTER_PORT": str(port)}
+        ray.get([actor.environ.remote(master) for actor in self._actors])
 
     def start(self, kwargs: dict[str, Any], timeout_s: float) -> None:
         import ray
 
         answers = self._answers("start", timeout_s, check=False)
-        requests = [
-            ("start", ray.put({**kwargs, **init}), self._master) for init in self._init_kwargs
-        ]
+        requests = [(START, ray.put({**kwargs, **init})) for init in self._init_kwargs]
         self.pids = self._call(answers, requests)
 
     def run(self, call: str, kwargs: list[dict[str, Any]]) -> list[Any]:
@@ -107,11 +114,10 @@ class RayGroup(GroupState):
         answers = self._answers(call, self.call_timeout_s)
         # Every rank's arguments are serialized before any call is submitted: an argument that
         # does not serialize fails the call with nothing sent.
-        return self._call(answers, [("execute", call, ray.put(kw)) for kw in kwargs])
+        return self._call(answers, [(call, ray.put(kw)) for kw in kwargs])
 
-    def _send(self, rank: int, answers: Answers, request: tuple[Any, ...]) -> None:
-        method, *args = request
-        ref = getattr(self._actors[rank], method).remote(answers.call_id, *args)
+    def _send(self, rank: int, answers: Answers, request: tuple[str, Any]) -> None:
+        ref = self._actors[rank].call.remote(answers.call_id, *request)
         answers.handles[ref] = rank
 
     def _collect(self, answers: Answers) -> None:
@@ -131,7 +137,7 @@ class RayGroup(GroupState):
                     answers.died(rank, f"{type(e).__name__}: {e}")
                 except RayError as e:  # e.g. arguments the actor could not deserialize
                     text = f"{type(e).__name__}: {e}"
-                    answers.add(rank, (answers.call_id, "error", failure(text=text), 0.0))
+                    answers.add(rank, rpc.Reply(answers.call_id, rpc.Failure(text), 0.0))
 
     def shutdown(self) -> None:
         """Kill the actors, free the placement group; stop Ray if this driver started it."""

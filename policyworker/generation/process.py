@@ -6,36 +6,32 @@
     version = gen.end_refit()                       # the engine's verdict: the version it applied
     samples = gen.sample(prompts, n=8, max_new_tokens=16, temperature=1.0, seed=0)
 
-Commands travel over a pipe, each with an id that its answer echoes; each has a deadline, and a
-dead process is an error, not a hang. A command that timed out is still answered later: that
-answer is dropped by id, so the next command gets its own (the engine stays usable). Messages
-are plain pickles, tensors by value (no file descriptors passed for storages: an interrupted
-rebuild of one blocked the next command); an interrupt part-way through sending or reading one
-leaves the pipe out of step, and every later command says so at once (`close()` and start a
-new process).
+Commands are `rpc` requests over a pipe: each has a deadline, and a dead process is an error,
+not a hang. A command that timed out is still answered later: that answer is dropped by id, so
+the next command gets its own (the engine stays usable). Tensors travel by value (no file
+descriptors passed for storages: an interrupted rebuild of one blocked the next command); an
+interrupt part-way through sending or reading a message leaves the pipe out of step, and every
+later command says so at once (`close()` and start a new process). The engine's exception is
+raised as itself (a `RefitError`, a `ValueError`, ...) with an `EngineError` as its cause.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import logging
 import multiprocessing as mp
-import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from policyworker import rpc
 from policyworker.compat.process import exit_now
 from policyworker.generation.engine import Samples
 from policyworker.refit.buffers import remove_leftovers
-from policyworker.refit.layout import RefitError, RefitInfo
-from policyworker.wire import pack, unpack
-
-log = logging.getLogger(__name__)
+from policyworker.refit.layout import RefitInfo
+from policyworker.wire import unpack
 
 _START_TIMEOUT_S = 300.0  # importing torch and transformers, loading the model
 
@@ -48,7 +44,8 @@ def tensor_sums(t: torch.Tensor) -> tuple[float, float]:
 
 
 class EngineError(RuntimeError):
-    """The generation process failed a command (its traceback is in the message) or died."""
+    """The generation process did not answer a command (no answer in time, it died, the pipe is
+    out of step), or, as the cause of the engine's own exception, its traceback."""
 
 
 class GenerationProcess:
@@ -69,7 +66,8 @@ class GenerationProcess:
         over the bytes); False: through the trainer's two buffers (docs/refit.md)."""
         self.timeout_s = timeout_s
         ctx = mp.get_context("spawn")  # CUDA cannot be forked
-        self._conn, child = ctx.Pipe()
+        conn, child = ctx.Pipe()
+        self._pipe = rpc.Pipe(conn)
         self._proc = ctx.Process(
             target=_serve,
             args=(child, model_dir, info, tokenizer, device, load_weights, shared_staging),
@@ -79,27 +77,27 @@ class GenerationProcess:
         child.close()
         self._ids = itertools.count(1)
         self._refit: int | None = None  # the id of the refit begun and not yet ended
-        self._torn: str | None = None  # why the pipe is out of step (an interrupt), if it is
-        self._wait(0, _START_TIMEOUT_S, "start")
+        self._wait(rpc.NOTICE, _START_TIMEOUT_S, "start")  # the process says it is ready
 
     def begin_refit_ipc(self, address: str, timeout_s: float | None = None) -> None:
         """Start receiving a refit from the trainer bound at `address`; returns at once."""
-        self._begin_refit("refit_ipc", (address, timeout_s or self.timeout_s))
+        self._begin_refit("refit_ipc", address, timeout_s or self.timeout_s)
 
     def init_collective(self, host: str, port: int, world_size: int, rank: int) -> None:
         """Join the trainer's collective refit group as `rank`; returns at once (the group forms
         when the trainer joins; a failure is raised by the next call)."""
-        self._send("init_collective", (host, port, world_size, rank, self.timeout_s))
+        args = (host, port, world_size, rank, self.timeout_s)
+        self._send("init_collective", (args, {}), notice=True)
 
     def begin_refit_collective(self, timeout_s: float | None = None) -> None:
         """Start receiving a collective refit (`update_weights_from_collective`); returns at once."""
-        self._begin_refit("refit_collective", (timeout_s or self.timeout_s,))
+        self._begin_refit("refit_collective", timeout_s or self.timeout_s)
 
     def bind_sparse(self, *, api_key: str, host: str = "127.0.0.1") -> str:
         """Open the engine's sparse-refit receiver (TCP) for messages signed with `api_key`
         (the run's key, shared with the trainers); its address, for the trainers. Binding
         again with the same settings gives the same address; other settings are refused."""
-        return self._call("bind_sparse", (), {"api_key": api_key, "host": host})
+        return self._call("bind_sparse", api_key=api_key, host=host)
 
     def begin_refit_sparse(
         self,
@@ -112,8 +110,7 @@ class GenerationProcess:
         """Start receiving sparse transfer `transfer_id` from `producers` trainer ranks;
         `tree`: every engine's address as the trainers get them (this engine relays to its
         children there; None: it receives alone)."""
-        args = (transfer_id, producers, timeout_s or self.timeout_s, tree)
-        self._begin_refit("refit_sparse", args)
+        self._begin_refit("refit_sparse", transfer_id, producers, timeout_s or self.timeout_s, tree)
 
     def end_refit(self) -> int:
         """The version the engine applied; `RefitError` if the refit failed (weights unchanged)."""
@@ -145,7 +142,9 @@ class GenerationProcess:
         for name, ok, expected, value in checks:
             if not ok:
                 raise ValueError(f"{name}: expected {expected}, got {value!r}")
-        kwargs = dict(
+        return self._call(
+            "sample",
+            prompts,
             n=n,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
@@ -153,32 +152,30 @@ class GenerationProcess:
             top_k=top_k,
             top_p=top_p,
         )
-        return self._call("sample", (prompts,), kwargs)
 
     def logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self._call("logprobs", (input_ids, lengths), {})
+        return self._call("logprobs", input_ids, lengths)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the engine's refitted tensors (for checks)."""
-        return self._call("weights", (), {})
+        return self._call("weights")
 
     def weight_sums(self) -> dict[str, tuple[float, float]]:
         """Per tensor, the float64 sum and sum of squares, computed where the weights live (a
         cheap check of a large model, where `weights()` would copy it through the pipe)."""
-        return self._call("weight_sums", (), {})
+        return self._call("weight_sums")
 
     def version(self) -> int | None:
-        return self._call("version", (), {})
+        return self._call("version")
 
     def close(self) -> None:
-        if self._proc.is_alive() and self._torn is None:  # an out-of-step pipe: killed below
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self._send("close", ())
+        if self._proc.is_alive() and self._pipe.torn is None:  # out of step: killed below
+            self._pipe.ask_to_close()
             self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join()
-        self._conn.close()
+        self._pipe.conn.close()
         remove_leftovers(self._proc.pid)
 
     def __enter__(self) -> GenerationProcess:
@@ -187,59 +184,35 @@ class GenerationProcess:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _begin_refit(self, name: str, payload: tuple) -> None:
+    def _begin_refit(self, name: str, *args: Any) -> None:
         if self._refit is not None:
             raise EngineError(f"{name}: a refit is in progress; end_refit() first")
-        self._refit = self._send(name, payload)
+        self._refit = self._send(name, (args, {}))
 
-    def _call(self, name: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         if self._refit is not None:
             raise EngineError(f"{name}: a refit is in progress; end_refit() first")
         return self._wait(self._send(name, (args, kwargs)), self.timeout_s, name)
 
-    def _send(self, name: str, payload: tuple) -> int:
-        if self._torn is not None:
-            raise EngineError(f"{name}: {self._torn}; close() this process and start another")
-        command = next(self._ids)
-        message = pack((command, name, payload))
-        with self._whole(f"sending {name}"):
-            self._conn.send_bytes(message)
+    def _send(self, name: str, payload: Any, *, notice: bool = False) -> int:
+        command = rpc.NOTICE if notice else next(self._ids)
+        try:
+            self._pipe.send(rpc.request(command, name, payload), name)
+        except rpc.PipeError as e:
+            raise EngineError(f"{e}; close() this process and start another") from None
         return command
 
-    @contextlib.contextmanager
-    def _whole(self, what: str) -> Iterator[None]:
-        """A message moved whole over the pipe, or the pipe marked out of step."""
-        try:
-            yield
-        except (EOFError, OSError):
-            raise
-        except BaseException as e:
-            self._torn = f"the pipe is out of step: interrupted while {what} ({e!r})"
-            raise
-
     def _wait(self, command: int, timeout_s: float, what: str) -> Any:
-        """The answer to `command`; answers to earlier commands that timed out are dropped."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
-                alive = "is alive" if self._proc.is_alive() else "has died"
-                raise EngineError(
-                    f"generation process: no answer to {what} in {timeout_s} s ({alive})"
-                )
-            try:
-                with self._whole(f"reading the answer to {what}"):
-                    raw = self._conn.recv_bytes()
-                answered, status, value = unpack(raw)
-            except EOFError:
-                raise EngineError(f"generation process died during {what}") from None
-            if answered == command:
-                break
-            log.warning("generation process: dropped the late answer to command %d", answered)
-        if status == "refit_error":
-            raise RefitError(value)
-        if status == "error":
-            raise EngineError(f"generation process failed {what}:\n{value}")
-        return value
+        """The answer to `command`, the engine's exception raised as itself."""
+        try:
+            reply = self._pipe.wait(command, timeout_s, what)
+        except rpc.PipeError as e:
+            alive = "is alive" if self._proc.is_alive() else "has died"
+            raise EngineError(f"generation process: {e} (it {alive})") from None
+        if isinstance(reply.value, rpc.Failure):
+            error = EngineError(f"generation process failed {what}:\n{reply.value.traceback}")
+            reply.value.raise_as(error, f"the generation process in {what}")
+        return unpack(reply.value)
 
 
 class _SparseSide:
@@ -270,66 +243,73 @@ class _SparseSide:
         return self.receiver.receive(transfer_id, producers, timeout_s, tree=tree)
 
 
-def _serve(
-    conn: Connection,
-    model_dir: str,
-    info: RefitInfo,
-    tokenizer: Any,
-    device: str,
-    load_weights: bool,
-    shared_staging: bool,
-) -> None:
+def _serve(conn: Connection, model_dir: str, info: RefitInfo, *options: Any) -> None:
     """The process: build the engine and its staging area, then answer commands until close."""
-    from policyworker.generation.engine import HFEngine
-    from policyworker.refit.ipc import receive_ipc
-    from policyworker.refit.receiver import Staging
+    engine = rpc.ready(conn, lambda: _Engine(model_dir, info, *options))
+    if engine is not None and rpc.serve(conn, engine.handle):
+        exit_now()  # nothing left to do: skip the interpreter's second of teardown
 
-    # the model's dtype: that of its weights (not of MXFP8 values or scales)
-    dtypes = {dtype for _, dtype in info.values() if dtype.is_floating_point and dtype.itemsize > 1}
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    engine = HFEngine(
-        model_dir, tokenizer, device=torch.device(device), dtype=dtype, load_weights=load_weights
-    )
-    targets = engine.refit_targets(info)
-    staging = Staging(info, targets, adopt=True, shared=shared_staging)  # adopt: no CUDA graphs
-    conn.send_bytes(pack((0, "ok", None)))
-    collective = _Collective(engine.device)
 
-    def loaded(version: int) -> int:
-        engine.load_mxfp8(staging.targets)  # MXFP8 slots dequantized into the model
+class _Engine:
+    """The process's side: the engine, its staging area, its refit receivers, and a handler per
+    command (its payload is the handler's arguments)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        info: RefitInfo,
+        tokenizer: Any,
+        device: str,
+        load_weights: bool,
+        shared_staging: bool,
+    ) -> None:
+        from policyworker.generation.engine import HFEngine
+        from policyworker.refit.receiver import Staging
+
+        # the model's dtype: that of its weights (not of MXFP8 values or scales)
+        floats = {t for _, t in info.values() if t.is_floating_point and t.itemsize > 1}
+        dtype = floats.pop() if len(floats) == 1 else torch.float32
+        where = torch.device(device)
+        self.engine = HFEngine(
+            model_dir, tokenizer, device=where, dtype=dtype, load_weights=load_weights
+        )
+        targets = self.engine.refit_targets(info)
+        # adopt: the engine's tensors are the targets (no CUDA graphs to keep pointers of)
+        self.staging = Staging(info, targets, adopt=True, shared=shared_staging)
+        self.collective = _Collective(self.engine.device)
+        self.sparse = _SparseSide(targets, info)
+        self.commands: dict[str, Callable[..., Any]] = {
+            "sample": self.engine.sample,
+            "logprobs": self.engine.logprobs,
+            "weights": lambda: {n: t.detach().cpu().clone() for n, t in self.targets()},
+            "weight_sums": lambda: {n: tensor_sums(t) for n, t in self.targets()},
+            "version": lambda: self.staging.version,
+            "bind_sparse": self.sparse.bind,
+            "refit_sparse": self.sparse.receive,
+            "refit_ipc": self.refit_ipc,
+            "refit_collective": lambda timeout_s: self.loaded(
+                self.collective.receive(self.staging, timeout_s)
+            ),
+        }
+
+    def handle(self, kind: str, payload: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        args, kwargs = payload
+        if kind == "init_collective":  # a notice: the group forms when the trainer joins
+            return self.collective.join(*args)
+        self.collective.check()  # a failed join fails every later command
+        return self.commands[kind](*args, **kwargs)
+
+    def targets(self) -> Any:
+        return self.staging.targets.items()
+
+    def refit_ipc(self, address: str, timeout_s: float) -> int:
+        from policyworker.refit.ipc import receive_ipc
+
+        return self.loaded(receive_ipc(self.staging, address=address, timeout_s=timeout_s))
+
+    def loaded(self, version: int) -> int:
+        self.engine.load_mxfp8(self.staging.targets)  # MXFP8 slots dequantized into the model
         return version
-
-    sparse = _SparseSide(targets, info)
-    handlers: dict[str, Callable[..., Any]] = {  # each command's payload, as its arguments
-        "sample": lambda args, kw: engine.sample(*args, **kw),
-        "logprobs": lambda args, kw: engine.logprobs(*args, **kw),
-        "weights": lambda args, kw: {
-            n: t.detach().cpu().clone() for n, t in staging.targets.items()
-        },
-        "weight_sums": lambda args, kw: {n: tensor_sums(t) for n, t in staging.targets.items()},
-        "version": lambda args, kw: staging.version,
-        "bind_sparse": lambda args, kw: sparse.bind(**kw),
-        "refit_sparse": sparse.receive,
-        "refit_ipc": lambda address, timeout_s: loaded(
-            receive_ipc(staging, address=address, timeout_s=timeout_s)
-        ),
-        "refit_collective": lambda timeout_s: loaded(collective.receive(staging, timeout_s)),
-    }
-    while True:
-        command, name, payload = unpack(conn.recv_bytes())
-        if name == "close":
-            exit_now()  # nothing left to do: skip the interpreter's second of teardown
-        if name == "init_collective":  # no answer: the trainer joins after us
-            collective.join(*payload)
-            continue
-        try:
-            collective.check()
-            answer = (command, "ok", handlers[name](*payload))
-        except RefitError as e:
-            answer = (command, "refit_error", str(e))
-        except Exception:
-            answer = (command, "error", traceback.format_exc())
-        conn.send_bytes(pack(answer))  # tensors by value
 
 
 class _Collective:
