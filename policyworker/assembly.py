@@ -287,6 +287,7 @@ def build_scorer(
         rules=w.rules,
         default_mbs=w.cfg.logprob_batch_size,
         routers=routers,
+        router_replay=w.cfg.moe.router_replay,
         paths=w.paths,
     )
 
@@ -320,6 +321,7 @@ def build_sampler(
         eos_ids=tuple(sorted(eos_ids)),
         tokenizer=tokenizer,
         seed=w.cfg.seed,
+        sync_params=state.overlap.sync_params,
     )
 
 

@@ -12,7 +12,8 @@ ROOT = Path(__file__).parent.parent / "policyworker"
 LAYERS: dict[str, int] = {
     **dict.fromkeys(("tools", "demo", "cli", "__main__"), 6),  # apps
     "driver": 5,
-    **dict.fromkeys(("worker", "assembly", "guard"), 4),  # the facade, how it is built, its checks
+    # the facade, the calls it implements, how it is built, its checks
+    **dict.fromkeys(("worker", "interface", "assembly", "guard"), 4),
     **dict.fromkeys(("train", "refit", "checkpoint", "generation"), 3),
     **dict.fromkeys(("model", "data"), 2),  # side by side: neither imports the other
     "parallel": 1,

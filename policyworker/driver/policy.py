@@ -4,7 +4,8 @@
         lp = policy.get_logprobs(data=batch)["logprobs"]     # the whole batch, in its order
         metrics = policy.train(batch, ClippedPGLoss())
 
-Each worker method is declared once below with how its arguments travel (`Call`): the batch of
+Each worker call (`interface.PolicyCalls`: its signature and documentation) is declared once
+below with how its arguments travel (`Call`): the batch of
 a sharded call is split over data parallel and its outputs merged; everything else is given to
 every rank. A call a rank failed raises that rank's exception (its own type), with a
 `WorkerError` (rank, call, remote traceback) as its cause; a dead or hung rank raises
@@ -30,11 +31,11 @@ from policyworker.data.contract import ROUTES, ROW_IDS, BatchRules, check_row_id
 from policyworker.driver.dispatch import Call, Output, Split, merge, split_rows
 from policyworker.driver.group import WorkerGroup
 from policyworker.driver.local import LocalGroup, local_envs
+from policyworker.interface import PolicyCalls
 from policyworker.losses.common import Loss
 from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
 from policyworker.ops.sampling import pad_token
 from policyworker.parallel.dims import ParallelDims
-from policyworker.worker import MegatronPolicyWorker
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class _Dispatched:
         self.call = call
 
     def __set_name__(self, owner: type, name: str) -> None:
-        method = getattr(MegatronPolicyWorker, name)
+        method = getattr(PolicyCalls, name)
         params = list(inspect.signature(method).parameters.values())
         own = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params[1:]]
         binding = inspect.Signature(own)
@@ -345,6 +346,7 @@ class Policy:
         if backend == "local":
             return LocalGroup(len(envs), **common)  # type: ignore[arg-type]
         from policyworker.driver.ray_group import RayGroup
+        from policyworker.worker import MegatronPolicyWorker
 
         return RayGroup(
             len(envs),

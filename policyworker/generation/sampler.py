@@ -3,6 +3,7 @@ rules from the tokenizer and the batch, and a seed per call; the loop is `decode
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +31,12 @@ class Sampler:
         eos_ids: tuple[int, ...],
         tokenizer: Any | None,
         seed: int,
+        sync_params: Callable[[], None],
     ) -> None:
+        """`sync_params`: completes a step's pending parameter gathers (generation reads whole
+        parameters)."""
         self.decoder, self.settings, self.temperature = decoder, settings, temperature
+        self.sync_params = sync_params
         ids = settings.stop_token_ids
         self.stop_ids = tuple(ids) if ids is not None else eos_ids
         self.tokenizer = tokenizer
@@ -53,9 +58,10 @@ class Sampler:
         self.decoder.check(data, stops)
         return stops
 
-    def generate(
-        self, data: BatchedDataDict, stops: Stops, *, greedy: bool, seed: int | None
-    ) -> BatchedDataDict:
+    def generate(self, *, data: BatchedDataDict, greedy: bool, seed: int | None) -> BatchedDataDict:
+        """The worker's `generate` (`interface.PolicyCalls` documents it)."""
+        stops = self.check(data, seed)
+        self.sync_params()
         if seed is None:
             seed, self.next_seed = self.next_seed, self.next_seed + 1
         s = self.settings

@@ -14,6 +14,7 @@ calls them together, since a refit gathers TP and PP shards. `Refit` holds one o
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,11 +42,11 @@ class IpcSource:
         sweep_dead()
 
     def send(
-        self, *, buffer_size_bytes: int, timeout_s: float | None, send: bool
+        self, *, buffer_size_bytes: int, refit_timeout_s: float | None, send: bool
     ) -> RefitReport | None:
         """Stream every weight to the receiver (if `send`; the other ranks only take part in
         the TP/PP gathers). Collective over the model-parallel group."""
-        check_refit_args(buffer_size_bytes, timeout_s)
+        check_refit_args(buffer_size_bytes, refit_timeout_s)
         w = self.weights
         if not send:
             w.gather_only()
@@ -55,7 +56,7 @@ class IpcSource:
             self._cut(w.info(), w.bucket_bytes(buffer_size_bytes)),
             link=self.link,
             version=w.version + 1,
-            timeout_s=w.timeout(timeout_s),
+            timeout_s=w.timeout(refit_timeout_s),
             use_checksum=w.cfg.checksum,
             device=w.device,
         )
@@ -90,25 +91,25 @@ class CollectiveSource:
         self.joined = False
         self._group: dist.ProcessGroup | None = None  # rank 0's
 
-    def join(self, host: str, port: int, world_size: int, timeout_s: float | None) -> None:
+    def join(self, host: str, port: int, world_size: int, refit_timeout_s: float | None) -> None:
         """Rank 0 joins the group (blocks until every receiver has joined)."""
         if not isinstance(world_size, int) or world_size < 2:
             raise ValueError(f"world_size: expected an int >= 2, got {world_size!r}")
-        check_refit_args(0, timeout_s)
+        check_refit_args(0, refit_timeout_s)
         w = self.weights
         if dist.get_rank() == 0:
-            timeout = w.timeout(timeout_s)
+            timeout = w.timeout(refit_timeout_s)
             self._group = join_refit_group(
                 host, port, world_size, 0, device=w.device, timeout_s=timeout
             )
         self.joined = True
 
     def send(
-        self, *, buffer_size_bytes: int | None, num_buffers: int, timeout_s: float | None
+        self, *, buffer_size_bytes: int | None, num_buffers: int, refit_timeout_s: float | None
     ) -> RefitReport | None:
         """One collective refit (collective over the model-parallel group too); rank 0 returns
         the report."""
-        check_refit_args(buffer_size_bytes or 0, timeout_s, num_buffers)
+        check_refit_args(buffer_size_bytes or 0, refit_timeout_s, num_buffers)
         if not self.joined:
             raise ValueError("broadcast_weights_for_collective: init_collective() first")
         w = self.weights
@@ -124,7 +125,7 @@ class CollectiveSource:
             num_buffers=num_buffers,
             use_checksum=w.cfg.checksum,
             device=w.device,
-            timeout_s=w.timeout(timeout_s),
+            timeout_s=w.timeout(refit_timeout_s),
         )
         w.version = report.version
         return report
@@ -144,10 +145,10 @@ class ReshardSource:
         return self._group is not None
 
     def join(
-        self, host: str, port: int, sources: int, destinations: int, timeout_s: float | None
+        self, host: str, port: int, sources: int, destinations: int, refit_timeout_s: float | None
     ) -> None:
         """Join the reshard group as a trainer rank (0..sources-1) or a destination rank."""
-        check_refit_args(0, timeout_s)
+        check_refit_args(0, refit_timeout_s)
         w, g, destination = self.weights, self.weights.groups, self.destination
         if w.mxfp8:
             raise ValueError(
@@ -182,13 +183,13 @@ class ReshardSource:
             destinations=destinations,
             me=me,
             device=w.device,
-            timeout_s=w.timeout(timeout_s),
+            timeout_s=w.timeout(refit_timeout_s),
         )
 
-    def send(self, *, timeout_s: float | None) -> RefitReport | int | None:
+    def send(self, *, refit_timeout_s: float | None) -> RefitReport | int | None:
         """One reshard refit; the trainer's rank 0 returns the report, a destination the
         version."""
-        check_refit_args(0, timeout_s)
+        check_refit_args(0, refit_timeout_s)
         if self._group is None:
             raise ValueError("nccl_reshard_refit: init_reshard() first")
         w = self.weights
@@ -203,7 +204,7 @@ class ReshardSource:
             version=w.version + 1,
             use_checksum=w.cfg.checksum,
             staging=self._staging,
-            timeout_s=timeout_s,
+            timeout_s=refit_timeout_s,
         )
         if self.destination:
             return w.version
@@ -227,8 +228,10 @@ class SparseSource:
         self._baseline = take_baseline(self.weights.tensors(), shard)
         return self.weights.info()
 
-    def send(self, targets: list[str], call: SparseCall) -> dict[str, int]:
-        """Send the changes to every receiver (`refit/sparse.py`)."""
+    def send(self, transport: str, targets: list[str], **arguments: Any) -> dict[str, int]:
+        """Send the changes to every receiver (`refit/sparse.py`); `arguments`: the rest of
+        `stream_remote_sparse_weights`' (`SparseCall`)."""
+        call = SparseCall(transport=transport, **arguments)
         baseline = self._require("stream_remote_sparse_weights")
         call.check(baseline.shard, self.weights.info(), targets)
         return stream(
@@ -261,15 +264,15 @@ class Refit:
         self.reshard = ReshardSource(weights, destination=destination)
         self.sparse = SparseSource(weights)
 
-    def prequantize(self, names: object) -> RefitInfo:
-        """Send `names` as MXFP8 (an empty list: none); refused in a reshard group, whose
+    def prequantize(self, param_names: object) -> RefitInfo:
+        """Send `param_names` as MXFP8 (an empty list: none); refused in a reshard group, whose
         members exchange megatron weights in the training dtype."""
         if self.reshard.joined:
             raise ValueError(
                 "enable_refit_prequantize: this worker is in a reshard group, whose members "
                 "exchange megatron weights in the training dtype"
             )
-        return self.weights.prequantize(names)
+        return self.weights.prequantize(param_names)
 
     def close(self) -> None:
         self.ipc.close()

@@ -44,6 +44,39 @@ class Scorer:
     """The model's phases: collections run the scoring one (`model/paths.py`)."""
     routers: Routers | None = None
     """An MoE model's routers (replay and record); None for a dense model."""
+    router_replay: bool = False
+    """`moe.router_replay`: `get_logprobs` replays a batch's routes unless told not to."""
+
+    # The worker's calls (`interface.PolicyCalls` documents them): check, then collect.
+
+    def get_logprobs(
+        self,
+        *,
+        data: BatchedDataDict,
+        micro_batch_size: int | None,
+        require_router_replay: bool,
+        return_routes: bool,
+    ) -> BatchedDataDict:
+        replay = require_router_replay and self.router_replay
+        mbs = self.check(data, micro_batch_size, replay=replay, record=return_routes)
+        return self.logprobs(data, mbs, replay=replay, record=return_routes)
+
+    def get_topk_logits(
+        self, *, data: BatchedDataDict, k: int, micro_batch_size: int | None
+    ) -> BatchedDataDict:
+        vals, idx = self.topk(data, self.check(data, micro_batch_size, k), k)
+        return BatchedDataDict({"topk_logits": vals, "topk_indices": idx})
+
+    def get_logprobs_with_full_payload(
+        self,
+        *,
+        data: BatchedDataDict,
+        payload: str,
+        payload_dtype: str,
+        micro_batch_size: int | None,
+    ) -> BatchedDataDict:
+        mbs = self.check(data, micro_batch_size)
+        return self.full_payload(data, mbs, payload=payload, payload_dtype=payload_dtype)
 
     def check(
         self,
