@@ -17,7 +17,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from policyworker.checkpoint.checkpointer import Checkpointer, Trainee, finalize_unfinished
-from policyworker.compat import finalize
+from policyworker.compat import finalize, router
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.contract import BatchRules
@@ -26,7 +26,7 @@ from policyworker.generation.decode import Decoder
 from policyworker.generation.sampler import Sampler
 from policyworker.memory.residency import Residency
 from policyworker.model.balance import balance_of
-from policyworker.model.build import build_gpt_model, global_named_parameters
+from policyworker.model.build import build_gpt_model, global_named_weights
 from policyworker.model.hf_config import (
     ModelShape,
     check_layout,
@@ -91,7 +91,7 @@ class PolicyState:
     def synced_params(self) -> dict[str, torch.Tensor]:
         """The parameters by global name, any pending all-gather completed (collective)."""
         self.overlap.sync_params()
-        return global_named_parameters(self.model)
+        return global_named_weights(self.model)
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -107,7 +107,7 @@ class PolicyState:
     def take_reference(self) -> None:
         """Snapshot the live weights as the reference, unless HF weights gave one already."""
         if self.reference is None:
-            self.reference = ReferenceWeights(global_named_parameters(self.model))
+            self.reference = ReferenceWeights(global_named_weights(self.model))
 
 
 def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights: bool) -> Parts:
@@ -122,6 +122,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
         check_hf_folder(hf_weights, hf_config, shape, field=field)
     apply_cpu_patches()
     finalize.install()
+    router.install()
     dims, groups = setup_parallel(config.parallel)
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
@@ -133,6 +134,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
         dtype,
         batch_invariant=config.batch_invariant,
         decode_attention=config.generation.decode_attention,
+        rotary_dim=shape.rotary_dim,
     )
     return Parts(
         cfg=config,
@@ -168,7 +170,7 @@ def build_state(
     )
     if hf_weights is not None:
         load_hf_weights(
-            global_named_parameters(model),
+            global_named_weights(model),
             SafetensorsReader(hf_weights),
             w.shape,
             w.groups,
@@ -180,7 +182,7 @@ def build_state(
         scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
     reference = None
     if init_reference and hf_weights is not None:
-        reference = ReferenceWeights(global_named_parameters(model))
+        reference = ReferenceWeights(global_named_weights(model))
     return PolicyState(
         model=model,
         ddp=ddp,
@@ -338,6 +340,7 @@ def build_routers(w: Parts, state: PolicyState) -> Routers | None:
         topk=moe.top_k,
         experts=moe.num_experts,
         balance=balance,
+        rule=moe.rule,
     )
 
 

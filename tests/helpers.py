@@ -22,6 +22,7 @@ ARCHS = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
 }
 MOE = {
     "qwen3_moe": dict(
@@ -33,6 +34,13 @@ MOE = {
         shared_expert_intermediate_size=48, norm_topk_prob=False,
     ),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=None),
+    # sigmoid routing with the expert bias, 2 groups (1 chosen), scaled; a shared expert; a
+    # dense first layer; q/k/v biases, q/k norms, RoPE on half of each head
+    "glm4_moe": dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        norm_topk_prob=True, head_dim=32, attention_bias=True, use_qk_norm=True,
+    ),
 }  # fmt: skip
 
 
@@ -61,6 +69,9 @@ def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrid
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a router's expert bias (a buffer)
+                b.add_(torch.randn_like(b) * 0.2)
     model.save_pretrained(folder)
     return folder
 

@@ -1,4 +1,5 @@
-"""Mixture-of-experts decoders from Hugging Face (Qwen3-MoE, Qwen2-MoE, Mixtral; 8 experts, top-2):
+"""Mixture-of-experts decoders from Hugging Face (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5; 8 experts,
+top-2):
 logprobs, top-k and a loss's gradients equal transformers' (fp32), per-expert export that
 transformers reloads, the fused expert layout read too, and the architectures refused by name."""
 
@@ -13,6 +14,7 @@ from policyworker.config import OptimizerConfig
 from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.losses import NLLLoss
 from policyworker.model.hf_config import UnsupportedModelError, model_shape
+from policyworker.model.router_rules import Sigmoid, Softmax
 
 FAMILIES = {
     "qwen3_moe": {},  # qk-norm, renormalized top-k, a dense first layer (mlp_only_layers)
@@ -20,6 +22,7 @@ FAMILIES = {
     "qwen2_moe": {},  # shared expert with a sigmoid gate, qkv bias, top-k not renormalized
     "qwen2_moe-sparse-step": {"decoder_sparse_step": 2, "num_hidden_layers": 4},
     "mixtral": {},
+    "glm4_moe": {},  # sigmoid routing + expert bias, groups, shared experts, partial RoPE
 }
 
 
@@ -37,9 +40,10 @@ def test_the_shape_reads_each_family(tmp_path):
     q3 = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "qwen3_moe")))
     assert q3.moe is not None and q3.moe.layers == (False, True)
     assert (q3.moe.num_experts, q3.moe.top_k, q3.moe.expert_ffn_size) == (8, 2, 32)
-    assert q3.moe.normalize_top_k and q3.moe.shared_expert_ffn_size == 0
+    assert q3.moe.rule == Softmax(normalize=True) and q3.moe.shared_expert_ffn_size == 0
     q2 = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "qwen2_moe")))
-    assert q2.moe.shared_expert_ffn_size == 48 and not q2.moe.normalize_top_k
+    assert q2.moe.shared_expert_ffn_size == 48 and q2.moe.rule == Softmax(normalize=False)
+    assert q2.moe.shared_expert_gate
     sparse = _model(tmp_path, "qwen2_moe-sparse-step")
     assert model_shape(transformers.AutoConfig.from_pretrained(sparse)).moe.layers == (
         False,
@@ -48,7 +52,12 @@ def test_the_shape_reads_each_family(tmp_path):
         True,
     )
     mx = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "mixtral")))
-    assert mx.moe.normalize_top_k and mx.moe.layers == (True, True)
+    assert mx.moe.rule == Softmax(normalize=True) and mx.moe.layers == (True, True)
+    glm = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "glm4_moe")))
+    assert glm.moe.rule == Sigmoid(groups=2, group_topk=1, scale=1.5)
+    assert glm.moe.layers == (False, True) and glm.moe.shared_expert_ffn_size == 32
+    assert not glm.moe.shared_expert_gate and glm.arch.qkv_bias and glm.arch.qk_norm
+    assert (glm.head_dim, glm.rotary_dim) == (32, 16)
 
 
 def test_logprobs_and_topk_equal_transformers(moe_dir):
@@ -525,3 +534,40 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_p
     single = MegatronPolicyWorker(cfg, weights_path=str(weights), optimizer_path=str(optim))
     _assert_close(saved, run_resume(single, tmp_path / "ep2"))
     single.shutdown()
+
+
+def _expert_biases(worker) -> list[torch.Tensor]:
+    from policyworker.model.build import global_named_weights
+
+    named = global_named_weights(worker.state.model)
+    return [named[n].detach().clone() for n in sorted(named) if n.endswith("router.expert_bias")]
+
+
+def test_the_expert_bias_moves_by_its_rule_and_resumes_from_a_checkpoint(tmp_path):
+    """GLM-4.5's sigmoid routers: a step moves each expert's bias by `rate` towards balance
+    (up where the step routed it fewer real tokens than the mean, down where more: megatron's
+    aux-loss-free rule, padding not counted), the weights' optimizer never touches it, rate 0
+    keeps it, and a checkpoint restores it."""
+    from policyworker.config import MoEConfig
+
+    folder, rate = _model(tmp_path, "glm4_moe"), 1e-3
+    data = make_batch(batch=4, seq=12, lengths=[12, 5, 9, 3])
+    still = make_worker(folder)
+    start = _expert_biases(still)
+    still.train(data, NLLLoss())
+    assert all(torch.equal(a, b) for a, b in zip(start, _expert_biases(still), strict=True))
+
+    worker = make_worker(folder, moe=MoEConfig(moe_router_bias_update_rate=rate))
+    routes = worker.get_logprobs(data=data, return_routes=True)["routed_experts"]
+    real = torch.arange(12)[None, :] < data["input_lengths"][:, None]
+    worker.train(data, NLLLoss())
+    moved = _expert_biases(worker)
+    for layer, (before, after) in enumerate(zip(start, moved, strict=True)):
+        counts = torch.bincount(routes[:, :, layer][real].reshape(-1), minlength=8).float()
+        want = before + rate * torch.sign(counts.mean() - counts)
+        torch.testing.assert_close(after, want, atol=1e-7, rtol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(start, moved, strict=True))
+    worker.save_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    resumed = make_worker(folder, moe=MoEConfig(moe_router_bias_update_rate=rate))
+    resumed.load_checkpoint(tmp_path / "weights", tmp_path / "optim")
+    assert all(torch.equal(a, b) for a, b in zip(moved, _expert_biases(resumed), strict=True))

@@ -69,6 +69,7 @@ MAPPED: dict[str, str] = {
     "megatron_cfg.distributed_data_parallel_config.overlap_param_gather": (
         "optimizer.overlap_param_gather"
     ),
+    "megatron_cfg.moe_router_bias_update_rate": "moe.moe_router_bias_update_rate",
     "megatron_cfg.scheduler.lr_decay_style": "scheduler.style",
     "megatron_cfg.scheduler.lr_warmup_iters": "scheduler.warmup_steps",
     "megatron_cfg.scheduler.lr_warmup_init": "scheduler.warmup_init",
@@ -118,8 +119,8 @@ SAME: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "generation.top_p": lambda v, p: v == 1.0,
     "generation.top_k": lambda v, p: v is None,
     # mixture of experts: what we run (no expert bias, no DeepEP)
-    "megatron_cfg.moe_router_bias_update_rate": lambda v, p: v == 0,
-    "megatron_cfg.moe_router_enable_expert_bias": lambda v, p: v is False,
+    # the HF config says whether a router has the expert bias (DeepSeek-V3, GLM-4.5)
+    "megatron_cfg.moe_router_enable_expert_bias": lambda v, p: isinstance(v, bool),
     "megatron_cfg.moe_enable_deepep": lambda v, p: v is False,
     # how megatron schedules or logs, not what it computes
     "megatron_cfg.moe_permute_fusion": lambda v, p: True,

@@ -139,6 +139,10 @@ class MoEConfig:
     seq_aux_loss — over each sequence (independent of micro-batches, packing and DP)."""
     moe_aux_loss_coeff: float = 0.0
     """Its weight; the gradient is normalized by the step's loss tokens, as the main loss."""
+    moe_router_bias_update_rate: float = 0.0
+    """How far a step moves each expert's routing bias (sigmoid routers: DeepSeek-V3, GLM-4.5)
+    towards balance, megatron's aux-loss-free rule; 0 (the reference's default for RL): the
+    bias stays as the checkpoint has it."""
     router_replay: bool = False
     """Router replay (R3; the reference's `router_replay.enabled`): get_logprobs and train take
     a batch's `routed_experts` [B, S, L, K] — the experts a generation engine sent each token
@@ -157,6 +161,9 @@ class MoEConfig:
                self.moe_router_load_balancing_type)  # fmt: skip
         c = self.moe_aux_loss_coeff
         _check(finite(c) and c >= 0, f"{prefix}.moe_aux_loss_coeff", "a finite number >= 0", c)
+        r = self.moe_router_bias_update_rate
+        _check(finite(r) and r >= 0, f"{prefix}.moe_router_bias_update_rate",
+               "a finite number >= 0", r)  # fmt: skip
         _check(self.moe_token_dispatcher_type in ("alltoall", "allgather"),
                f"{prefix}.moe_token_dispatcher_type", "alltoall or allgather",
                self.moe_token_dispatcher_type)  # fmt: skip

@@ -121,9 +121,8 @@ def recompute_fields(cfg: RecomputeConfig) -> dict[str, Any]:
 
 
 def moe_fields(moe: MoEShape | None, cfg: MoEConfig) -> dict[str, Any]:
-    """TransformerConfig's expert settings for HF's routing: softmax over the experts, the top k;
-    renormalized over those k (`normalize_top_k`: megatron then softmaxes the k logits alone, the
-    same numbers) or not (softmax over all, then the top k). None for a dense model."""
+    """TransformerConfig's expert settings for HF's routing (its rule's, `model/router_rules.py`;
+    the expert bias moves by `moe_router_bias_update_rate` per step). A dense model: none."""
     if moe is None:
         return {"moe_token_dispatcher_type": "alltoall"}  # "allgather" refuses variable lengths
     return dict(
@@ -132,12 +131,12 @@ def moe_fields(moe: MoEShape | None, cfg: MoEConfig) -> dict[str, Any]:
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.expert_ffn_size,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not moe.normalize_top_k,
+        **moe.rule.megatron_fields(),
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_size or None,
-        moe_shared_expert_gate=moe.shared_expert_ffn_size > 0,
+        moe_shared_expert_gate=moe.shared_expert_gate,
         moe_grouped_gemm=False,
         # Dense layers among MoE ones (our layer specs say which): checkpoints then key each
         # layer on its own instead of stacking unlike layers.
@@ -244,7 +243,8 @@ def build_gpt_model(
         position_embedding_type="none",  # RoPE is applied in our core attention
     )
     # HF's frequencies (incl. llama3 scaling with its own low/high factors), not megatron's.
-    inv_freq = rope_inv_freq(hf_config, shape.head_dim).to("cuda" if on_gpu else "cpu")
+    inv_freq = rope_inv_freq(hf_config, shape.rotary_dim or shape.head_dim)
+    inv_freq = inv_freq.to("cuda" if on_gpu else "cpu")
     paths.install(model, inv_freq, mlp_chunk_tokens)
     for name, param in model.named_parameters():  # before DDP and the optimizer see them
         if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):
@@ -259,6 +259,18 @@ def build_gpt_model(
     if on_gpu:
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def global_named_weights(model: GPTModel) -> dict[str, torch.Tensor]:
+    """`global_named_parameters` and the weights megatron keeps as buffers: a sigmoid router's
+    expert bias (`mlp.router.expert_bias`, fp32; set from the checkpoint, moved by its own
+    update rule, never by the optimizer)."""
+    out: dict[str, torch.Tensor] = dict(global_named_parameters(model))
+    for layer in model.decoder.layers:
+        if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None:
+            name = f"decoder.layers.{layer.layer_number - 1}.mlp.router.expert_bias"
+            out[name] = layer.mlp.router.expert_bias
+    return out
 
 
 def global_named_parameters(model: GPTModel) -> dict[str, torch.nn.Parameter]:

@@ -3,13 +3,15 @@ fused layout some checkpoints store experts in.
 
 On disk (what transformers 5 writes and inference engines read) every expert has its own
 tensors: `mlp.experts.{e}.gate_proj / up_proj / down_proj` (Qwen2-MoE, Qwen3-MoE) or
-`block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral), a router `gate.weight` [E, hidden], and for
-Qwen2-MoE a shared expert and its sigmoid gate. transformers 5 holds them fused in memory —
+`block_sparse_moe.experts.{e}.w1 / w3 / w2` (Mixtral), a router `gate.weight` [E, hidden], for
+Qwen2-MoE a shared expert (`shared_expert.*`) and its sigmoid gate, for GLM-4.5 ungated shared
+experts (`shared_experts.*`) and the router's expert bias `gate.e_score_correction_bias` [E]. transformers 5 holds them fused in memory —
 `mlp.experts.gate_up_proj` [E, 2·ffn, hidden] and `mlp.experts.down_proj` [E, hidden, ffn] — and
 a checkpoint saved in that layout is read too (`fused_source`). Exports use per-expert names.
 
-megatron's MoELayer holds `mlp.router.weight`, `mlp.experts.local_experts.{e}.linear_fc1/2` (one
-SequentialMLP expert each) and `mlp.shared_experts.linear_fc1/2` with `gate_weight` [1, hidden].
+megatron's MoELayer holds `mlp.router.weight` (and the buffer `mlp.router.expert_bias`),
+`mlp.experts.local_experts.{e}.linear_fc1/2` (one SequentialMLP expert each) and
+`mlp.shared_experts.linear_fc1/2` with `gate_weight` [1, hidden].
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import Copy, GateUp, Mapping
+from policyworker.model.router_rules import Sigmoid
 from policyworker.parallel.dims import Groups
 
 
@@ -33,24 +36,34 @@ class ExpertNames:
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert"
+    """The shared expert's attribute in the block."""
 
 
 _QWEN = ExpertNames(block="mlp", gate="gate_proj", up="up_proj", down="down_proj")
 _MIXTRAL = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
+_GLM = ExpertNames(
+    block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_experts"
+)
 EXPERT_NAMES: dict[str, ExpertNames] = {
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN,
     "Qwen3MoeForCausalLM": _QWEN,
+    "Glm4MoeForCausalLM": _GLM,
 }
 
 
 def moe_mappings(i: int, shape: ModelShape) -> list[Mapping]:
-    """The rows of layer `i`'s MoE block: router, every expert in order, the shared expert."""
-    assert shape.moe is not None
+    """The rows of layer `i`'s MoE block: router (and its expert bias), every expert in order,
+    the shared expert."""
+    moe = shape.moe
+    assert moe is not None
     names = EXPERT_NAMES[shape.architecture]
     m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}."
     block = f"{h}{names.block}."
     out: list[Mapping] = [Copy(m + "router.weight", (block + "gate.weight",), None)]
+    if isinstance(moe.rule, Sigmoid):
+        out.append(Copy(m + "router.expert_bias", (block + "gate.e_score_correction_bias",), None))
     for e in range(shape.moe.num_experts):
         hf, ours = f"{block}experts.{e}.", f"{m}experts.local_experts.{e}."
         out += [
@@ -61,8 +74,8 @@ def moe_mappings(i: int, shape: ModelShape) -> list[Mapping]:
             ),
             Copy(ours + "linear_fc2.weight", (f"{hf}{names.down}.weight",), 1),
         ]
-    if shape.moe.shared_expert_ffn_size:
-        shared = f"{h}mlp.shared_expert."
+    if moe.shared_expert_ffn_size:
+        shared = f"{h}mlp.{names.shared}."
         out += [
             GateUp(
                 m + "shared_experts.linear_fc1.weight",
@@ -70,8 +83,11 @@ def moe_mappings(i: int, shape: ModelShape) -> list[Mapping]:
                 0,
             ),
             Copy(m + "shared_experts.linear_fc2.weight", (shared + "down_proj.weight",), 1),
-            Copy(m + "shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), None),
         ]
+    if moe.shared_expert_gate:
+        out.append(
+            Copy(m + "shared_experts.gate_weight", (h + "mlp.shared_expert_gate.weight",), None)
+        )
     return out
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from policyworker.config import MoEConfig, ParallelConfig, RecomputeConfig
+from policyworker.model.router_rules import RouterRule, Sigmoid, Softmax
 from policyworker.ops.packed import round_up
 
 
@@ -41,7 +42,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
     "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False),
     "Qwen3MoeForCausalLM": ArchSpec(qkv_bias=False, qk_norm=True),
+    # its config says whether q/k/v have biases (attention_bias) and q/k norms (use_qk_norm)
+    "Glm4MoeForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
 }
+CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
+"""Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
+`use_qk_norm` adds per-head q/k norms."""
 
 NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
     "DeepseekV3ForCausalLM": "DeepSeek-V3 (MLA attention, a sigmoid router with expert bias and "
@@ -59,13 +65,14 @@ class MoEShape:
     """Experts per token."""
     expert_ffn_size: int
     """Each expert's intermediate size."""
-    normalize_top_k: bool
-    """Whether the top-k router probabilities are renormalized to sum to 1 (HF `norm_topk_prob`;
-    Mixtral always)."""
+    rule: RouterRule
+    """How the router picks and weighs the top k (`model/router_rules.py`)."""
     layers: tuple[bool, ...]
     """Per layer: an MoE layer (True) or a dense MLP of `ffn_hidden_size` (False)."""
     shared_expert_ffn_size: int = 0
-    """A shared expert beside the routed ones, scaled by a sigmoid gate (Qwen2-MoE); 0: none."""
+    """A shared expert beside the routed ones; 0: none."""
+    shared_expert_gate: bool = False
+    """The shared expert's output scaled by a sigmoid gate (Qwen2-MoE; DeepSeek/GLM: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,9 @@ class ModelShape:
     max_position_embeddings: int
     moe: MoEShape | None = None
     """The experts, for a mixture-of-experts decoder."""
+    rotary_dim: int = 0
+    """The leading features of each head that RoPE rotates (0: all of `head_dim`; GLM-4.5's
+    `partial_rotary_factor` rotates half); the rest pass through."""
 
     @property
     def heads_per_group(self) -> int:
@@ -143,14 +153,15 @@ def model_shape(hf_config: Any) -> ModelShape:
         raise UnsupportedModelError("mlp_bias=True is not supported")
     # Llama/Qwen3's attention_bias also puts a bias on o_proj, which megatron only offers
     # together with biases on every MLP linear.
-    if getattr(hf_config, "attention_bias", False):
+    if getattr(hf_config, "attention_bias", False) and name not in CONFIGURED_ATTENTION:
         raise UnsupportedModelError(f"{name} with attention_bias=True is not supported")
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    rotary_dim = int(head_dim * partial_rotary_factor(hf_config))
     return ModelShape(
         architecture=name,
-        arch=ARCHITECTURES[name],
+        arch=_arch(name, hf_config),
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
         ffn_hidden_size=hf_config.intermediate_size,
@@ -162,7 +173,28 @@ def model_shape(hf_config: Any) -> ModelShape:
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=hf_config.max_position_embeddings,
         moe=_moe_shape(name, hf_config),
+        rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
     )
+
+
+def _arch(name: str, hf_config: Any) -> ArchSpec:
+    if name not in CONFIGURED_ATTENTION:
+        return ARCHITECTURES[name]
+    return ArchSpec(
+        qkv_bias=bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=bool(getattr(hf_config, "use_qk_norm", False)),
+    )
+
+
+def partial_rotary_factor(hf_config: Any) -> float:
+    """The share of each head RoPE rotates (transformers 5 keeps it in `rope_parameters`)."""
+    factor = rope_parameters(hf_config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(hf_config, "partial_rotary_factor", None)
+    factor = float(factor or 1.0)
+    if not 0 < factor <= 1:
+        raise UnsupportedModelError(f"partial_rotary_factor={factor}: expected one in (0, 1]")
+    return factor
 
 
 def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
@@ -175,21 +207,48 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
             num_experts=hf_config.num_local_experts,
             top_k=hf_config.num_experts_per_tok,
             expert_ffn_size=hf_config.intermediate_size,
-            normalize_top_k=True,
+            rule=Softmax(normalize=True),
             layers=(True,) * layers,
         )
+    if name == "Glm4MoeForCausalLM":
+        return _sigmoid_moe_shape(hf_config)
     if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
     step = hf_config.decoder_sparse_step
     experts = hf_config.num_experts
+    shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
     return MoEShape(
         num_experts=experts,
         top_k=hf_config.num_experts_per_tok,
         expert_ffn_size=hf_config.moe_intermediate_size,
-        normalize_top_k=bool(hf_config.norm_topk_prob),
+        rule=Softmax(normalize=bool(hf_config.norm_topk_prob)),
         layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
-        shared_expert_ffn_size=getattr(hf_config, "shared_expert_intermediate_size", 0) or 0,
+        shared_expert_ffn_size=shared,
+        shared_expert_gate=shared > 0,
+    )
+
+
+def _sigmoid_moe_shape(hf_config: Any) -> MoEShape:
+    """DeepSeek-style experts (GLM-4.5): sigmoid routing with the expert bias, group-limited,
+    scaled; ungated shared experts; the first `first_k_dense_replace` layers dense."""
+    if not hf_config.norm_topk_prob:  # megatron renormalizes sigmoid weights always
+        raise UnsupportedModelError("norm_topk_prob=False with sigmoid routing is not supported")
+    experts, groups = hf_config.n_routed_experts, hf_config.n_group or 1
+    if experts % groups or not 1 <= hf_config.topk_group <= groups:
+        raise UnsupportedModelError(
+            f"n_group={groups}, topk_group={hf_config.topk_group}: expected n_group to divide "
+            f"n_routed_experts={experts} and 1 <= topk_group <= n_group"
+        )
+    rule = Sigmoid(groups, hf_config.topk_group, float(hf_config.routed_scaling_factor))
+    dense = hf_config.first_k_dense_replace
+    return MoEShape(
+        num_experts=experts,
+        top_k=hf_config.num_experts_per_tok,
+        expert_ffn_size=hf_config.moe_intermediate_size,
+        rule=rule,
+        layers=tuple(i >= dense for i in range(hf_config.num_hidden_layers)),
+        shared_expert_ffn_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
     )
 
 
@@ -216,13 +275,11 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
 
 
 def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], fp32, for the 'default' and 'llama3' rope types."""
+    """Inverse RoPE frequencies [head_dim/2], fp32, for the 'default' and 'llama3' rope types
+    (`head_dim`: the features rotated, `ModelShape.rotary_dim` where RoPE is partial)."""
     params = rope_parameters(hf_config)
     rope_type = params.get("rope_type", "default")
     base = float(params["rope_theta"])
-    partial = float(getattr(hf_config, "partial_rotary_factor", 1.0) or 1.0)
-    if partial != 1.0:
-        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported")
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope_type == "default":
         return inv_freq
@@ -306,6 +363,12 @@ def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) 
         if moe.router_replay:
             raise ValueError("moe.router_replay: expected false (a dense model has no routers)")
         return
+    if isinstance(shape.moe.rule, Sigmoid) and moe.moe_router_load_balancing_type != "none":
+        raise ValueError(
+            "moe.moe_router_load_balancing_type: a load-balancing loss with sigmoid routing "
+            f"({shape.architecture}) is not supported yet; expected none (its expert bias "
+            "balances: moe.moe_router_bias_update_rate)"
+        )
     if shape.moe.num_experts % ep:
         raise ValueError(
             f"{field('expert_model_parallel')}: expected a divisor of "

@@ -34,7 +34,7 @@ from policyworker.model.attention.cached import (
 from policyworker.model.attention.core import CoreAttention, Fresh, Switch
 from policyworker.model.attention.kernels import ByRows, Exact, Flash
 from policyworker.model.attention.layout import Kernels
-from policyworker.model.attention.rotary import Rotary, rotate_for
+from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
 from policyworker.ops.compiled import triton_on
@@ -60,13 +60,13 @@ class ForwardPaths:
         train: Kernels,
         score: Kernels,
         generation: Generation,
-        device: torch.device,
+        rotate: Rotate,
         dtype: torch.dtype,
     ) -> None:
         self.training = Fresh(train, in_place=False)
         self.score = Fresh(score, in_place=True)
         self.generation = generation
-        self.rotary = Rotary(rotate_for(device))
+        self.rotary = Rotary(rotate)
         """RoPE's frequencies for generation's positions (every layer has the same)."""
         self.dtype = dtype
         self.switch = Switch(self.training)
@@ -116,12 +116,19 @@ class ForwardPaths:
 
 
 def choose_paths(
-    device: torch.device, dtype: torch.dtype, *, batch_invariant: bool, decode_attention: str
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    batch_invariant: bool,
+    decode_attention: str,
+    rotary_dim: int = 0,
 ) -> ForwardPaths:
     """The kernels of every phase: exact SDPA paths on the CPU and in fp32, the GPU's half
     precision kernels in bf16/fp16; `batch_invariant` (where our Triton kernels run) scores and
     prefills row by row and decodes in one split; `decode_attention` ("sdpa" or "triton", where
-    Triton runs) otherwise picks the decode step's kernel."""
+    Triton runs) otherwise picks the decode step's kernel; `rotary_dim` (partial RoPE: each
+    head's first so many features; 0: all) the rotation, and the cache write that fuses RoPE
+    only where it rotates whole heads."""
     triton = triton_on(device)
     half_on_gpu = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     train: Kernels = Flash() if half_on_gpu else Exact()
@@ -130,8 +137,9 @@ def choose_paths(
     generation = Generation(
         prefill=rows_prefill if invariant else sdpa_prefill,
         decode=invariant_decode if invariant else decode,
-        write=FusedWrite() if triton else PlainWrite(),
+        write=FusedWrite() if triton and not rotary_dim else PlainWrite(),
         rows=MinRows() if batch_invariant else AnyRows(),
     )
     score = ByRows() if invariant else train
-    return ForwardPaths(train=train, score=score, generation=generation, device=device, dtype=dtype)
+    rotate = rotate_for(device, rotary_dim)
+    return ForwardPaths(train=train, score=score, generation=generation, rotate=rotate, dtype=dtype)

@@ -24,7 +24,6 @@ of this TP rank's share under sequence parallelism).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +33,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from policyworker.model.balance import AttachLoss, Balance, balance_term
-
-TopK = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+from policyworker.model.router_rules import RouterRule, TopK
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +53,19 @@ class LayerRouter(RouterReplay):
     """One router's extension (see the module docstring). Not in megatron's global registry:
     each model owns its own."""
 
-    def __init__(self, balance: Balance, group: dist.ProcessGroup | None, pre_softmax: bool):
+    def __init__(
+        self,
+        balance: Balance,
+        group: dist.ProcessGroup | None,
+        pre_softmax: bool,
+        rule: RouterRule,
+    ) -> None:
         super().__init__()
         RouterReplay.global_router_replay_instances.remove(self)
         self.balance, self.group, self.pre_softmax = balance, group, pre_softmax
         """The loss variant, the group sharing a segment's tokens, and whether the router's
         scores are already the softmax over all experts."""
+        self.rule = rule  # how the top k are chosen
         self.balance_scale = 1.0  # the step's gradient scale of the loss
         self.balance_total: torch.Tensor | None = None  # the step's terms so far (detached)
         self.queue: deque[RouterInputs] = deque()  # a step's inputs, for recomputed forwards
@@ -91,7 +96,7 @@ class LayerRouter(RouterReplay):
         default_compute_topk: TopK | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert default_compute_topk is not None
-        values, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
+        values, chosen = self.rule.choose(scores, topk, default_compute_topk)
         inputs = self.queue.popleft() if self.backward else self.current
         used, self.differs = chosen, None
         if inputs.routes is not None:
@@ -129,6 +134,7 @@ class Routers:
         topk: int,
         experts: int,
         balance: Balance,
+        rule: RouterRule,
     ) -> None:
         config = self.config = model.config
         self.tp = config.tensor_model_parallel_size
@@ -147,7 +153,7 @@ class Routers:
             if isinstance(layer.mlp, MoELayer):
                 router = layer.mlp.router
                 group = router.tp_cp_group  # the ranks that share a segment's tokens
-                mine = LayerRouter(self.balance, group, config.moe_router_pre_softmax)
+                mine = LayerRouter(self.balance, group, config.moe_router_pre_softmax, rule)
                 router.router_replay = mine
                 self.layers[int(ordinal[layer.layer_number - 1])] = mine
                 router.register_forward_hook(self._counter(layer.layer_number - 1, mine))

@@ -8,6 +8,7 @@ for the queries, then the keys, in every forward that does not fuse RoPE into it
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -23,9 +24,23 @@ Never in training: a recomputed layer's first, gradient-free pass must leave wha
 recompute from untouched."""
 
 
-def rotate_for(device: torch.device) -> Rotate:
-    """Our Triton kernel on a GPU, the torch ops (HF's, exact) on the CPU."""
-    return rope_ops.rope if device.type == "cuda" else rope_ops.reference
+def rotate_for(device: torch.device, rotary_dim: int = 0) -> Rotate:
+    """Our Triton kernel on a GPU, the torch ops (HF's, exact) on the CPU; `rotary_dim`: only
+    each head's first so many features (0: all)."""
+    rotate = rope_ops.rope if device.type == "cuda" else rope_ops.reference
+    return Partial(rotate, rotary_dim) if rotary_dim else rotate
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """RoPE on each head's first `dim` features, the rest passed through (GLM-4.5's
+    `partial_rotary_factor`; the angles are `dim` wide)."""
+
+    rotate: Rotate
+    dim: int
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.rotate(x[..., : self.dim], cos, sin), x[..., self.dim :]), dim=-1)
 
 
 class Rotary(torch.nn.Module):
