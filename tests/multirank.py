@@ -8,7 +8,7 @@ turn (megatron's groups are set up anew for each); rank 0 saves them.
         token dispatcher; recompute / selrecompute: full / selective activation recompute;
         chunk: logits in chunks of CHUNK tokens; replay: router replay of the routes chosen on
         the first call; seqaux: a per-sequence load-balancing loss; invariant: batch_invariant;
-        dyn: dynamic batching)
+        dyn: dynamic batching; bias: sigmoid routers' expert bias moved by BIAS_RATE a step)
 
 Every rank gets its data-parallel shard of one fixed batch; rank 0 saves the results of the whole
 batch (logprobs, top-k, reference logprobs, two GRPO steps' metrics, a step of each other loss
@@ -61,6 +61,7 @@ LENGTHS = [14, 13, 14, 12, 3, 4, 2, 5]
 PACK_TOKENS = 32
 CHUNK = 5  # logprob_chunk_size: divides no micro-batch's tokens
 NEW_TOKENS = 6  # generation.max_new_tokens
+BIAS_RATE = 1e-2  # moe_router_bias_update_rate with "bias": large enough to change routes
 
 
 def train(
@@ -212,6 +213,7 @@ def config(
     seq_aux: bool = False,
     invariant: bool = False,
     dynamic: bool = False,
+    bias: bool = False,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -249,6 +251,7 @@ def config(
             router_replay=replay,
             moe_router_load_balancing_type="seq_aux_loss" if seq_aux else "none",
             moe_aux_loss_coeff=0.1 if seq_aux else 0.0,
+            moe_router_bias_update_rate=BIAS_RATE if bias else 0.0,
         ),
         recompute=RecomputeConfig(
             activation_checkpointing=recompute is not None,
@@ -292,6 +295,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
             seq_aux="seqaux" in flags,
             invariant="invariant" in flags,
             dynamic="dyn" in flags,
+            bias="bias" in flags,
         )
     )
     data = fixed_batch(worker.shape.vocab_size)

@@ -448,6 +448,43 @@ def _assert_layout_matches(results, layouts, layout) -> None:
                 assert rank_metrics[step][key] == pytest.approx(want[key], rel=rel), (step, key)
 
 
+GLM_LAYOUTS = {  # GLM-4.5's sigmoid routers (group-limited, expert bias moved every step),
+    # partial RoPE and ungated shared experts: what differs from Qwen2-MoE's paths, on two ranks
+    "tp2-sequence-parallel-packed-replay": (2, 1, ("sp", "pack", "replay", "bias")),
+    "ep2-cp2-packed-chunked": (1, 1, ("ep", "cp", "pack", "chunk", "bias")),
+    "pp2-split-step": (1, 2, ("split", "bias")),
+}
+
+
+@pytest.fixture(scope="module")
+def glm_layouts(tmp_path_factory):
+    from multirank import config, fixed_batch, layout_results
+    from test_parallel import VOCAB, launch
+
+    from policyworker.worker import MegatronPolicyWorker
+
+    folder = make_hf_model(tmp_path_factory.mktemp("glm"), "glm4_moe", vocab_size=VOCAB)
+    single = {
+        (replay, False): layout_results(
+            MegatronPolicyWorker(config(str(folder), tp=1, pp=1, replay=replay, bias=True)),
+            fixed_batch(VOCAB),
+        )
+        for replay in (False, True)
+    }
+    out = tmp_path_factory.mktemp("glm_two_ranks")
+    launch(folder, out, GLM_LAYOUTS, nproc=2)
+    return folder, single, out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("layout", GLM_LAYOUTS)
+def test_glm_layouts_match_one_rank(glm_layouts, layout):
+    """GLM-4.5 in TP2+SP, EP2 x CP2 and PP2 (packed, chunked, replayed, split steps): the
+    one-rank results, the expert bias moving alike in every layout (its token counts summed
+    over the ranks that share the tokens)."""
+    _assert_layout_matches(glm_layouts, GLM_LAYOUTS, layout)
+
+
 ROUTE_METRICS = (
     "moe_tokens_per_expert_min",
     "moe_tokens_per_expert_max",
