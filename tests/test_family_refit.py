@@ -1,0 +1,74 @@
+"""A new family's weights through every refit transport into the transformers engine: GLM-4.5
+(sigmoid routers whose expert bias is a buffer, not a parameter; ungated shared experts) after a
+step that moved its weights and its expert bias — the engine holds the trainer's export bit for
+bit and scores as the trainer does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_worker
+from helpers import make_batch, make_hf_model
+
+from policyworker.config import MoEConfig, OptimizerConfig
+from policyworker.generation.process import GenerationProcess
+from policyworker.losses import NLLLoss
+from policyworker.parallel.dims import free_port
+from policyworker.refit.sparse import KEY_ENV
+
+pytestmark = pytest.mark.processes
+
+KEY = "a test run's key"
+
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("glm"), "glm4_moe")
+
+
+def _refit(worker, gen: GenerationProcess, transport: str) -> None:
+    if transport == "ipc":
+        gen.begin_refit_ipc(worker.get_zmq_address())
+        worker.stream_weights_via_ipc_zmq()
+    elif transport == "collective":
+        gen.begin_refit_collective()
+        worker.broadcast_weights_for_collective()
+    else:
+        target = gen.bind_sparse(api_key=KEY)
+        gen.begin_refit_sparse("t1", 1)
+        worker.stream_remote_sparse_weights(
+            "zmq", [target], transfer_id="t1", api_key_env_var=KEY_ENV, timeout_s=30.0,
+            shard_rank=0, shard_count=1, overwrite_names=[],
+        )  # fmt: skip
+    assert gen.end_refit() == 1
+    if transport == "sparse":
+        worker.finish_remote_sparse_delta_sync(succeeded=True)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "collective", "sparse"])
+def test_glm_refits_into_the_transformers_engine_exactly(glm_dir, transport, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    moe = MoEConfig(moe_router_bias_update_rate=1e-2)
+    worker = make_worker(glm_dir, optimizer=OptimizerConfig(lr=1e-2), moe=moe)
+    info = worker.prepare_refit_info()
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in info
+    if transport == "sparse":
+        worker.init_remote_sparse_delta_baseline(shard_rank=0, shard_count=1, transport="zmq")
+    data = make_batch(batch=4, seq=12)
+    before = {n: t.clone() for n, t in worker.export_hf_weights()}  # views of the live weights
+    worker.train(data, NLLLoss())
+    sent = dict(worker.export_hf_weights())
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert not torch.equal(sent[bias], before[bias])  # the step moved the expert bias
+    with GenerationProcess(str(glm_dir), info, timeout_s=60.0) as gen:
+        if transport == "collective":
+            port = free_port()
+            gen.init_collective("127.0.0.1", port, 2, 1)
+            worker.init_collective("127.0.0.1", port, 2)
+        _refit(worker, gen, transport)
+        got = gen.weights()
+        assert got.keys() == sent.keys()
+        assert all(torch.equal(got[n], sent[n]) for n in sent)  # bitwise
+        ids, lengths = data["input_ids"], data["input_lengths"]
+        ours = worker.get_logprobs(data=data)["logprobs"]
+        assert (gen.logprobs(ids, lengths) - ours).abs().max().item() <= 1e-5
