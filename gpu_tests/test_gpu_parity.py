@@ -63,11 +63,11 @@ def _worker(folder, precision):
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"]
+    "arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"]
 )
 def test_parity_on_gpu(tmp_path, arch):
     kw = dict(MEDIUM)
-    if arch.startswith("qwen3"):
+    if arch.startswith("qwen3") or arch == "glm4_moe":
         kw["head_dim"] = 64
     if arch.endswith("_moe"):
         kw["moe_intermediate_size"] = 176  # 8 experts, top-2 (tests/helpers.py)
@@ -88,7 +88,7 @@ def test_parity_on_gpu(tmp_path, arch):
     RESULTS[arch] = r
     _dump()
     assert r["fp32_vs_hf_fp32_max"] <= 1e-4
-    if arch in ("qwen3_moe", "qwen2_moe", "mixtral"):
+    if arch in ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"):
         # bf16 rounding can flip a near-tied top-k choice, on either side: a few tokens then
         # differ by more; the mean is what is reported and bounded
         assert r["bf16_vs_hf_bf16_mean"] <= 0.01
@@ -180,7 +180,7 @@ def test_one_sequence_pack_takes_sdpa_and_matches_reference():
     assert (out.float() - varlen.float()).abs().max() <= 2e-2
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 def test_moe_layer_makes_no_host_sync(tmp_path, arch):
     """An MoE layer on one rank (grouped experts, the default) runs forward and backward without
     one device-to-host synchronization (torch's sync debug mode raises on any): megatron's
@@ -188,7 +188,7 @@ def test_moe_layer_makes_no_host_sync(tmp_path, arch):
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     kw = dict(MEDIUM, moe_intermediate_size=176)
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "glm4_moe"):
         kw["head_dim"] = 64
     worker = _worker(make_hf_model(tmp_path, arch, **kw), "bfloat16")
     layer = next(m for m in worker.state.model.modules() if isinstance(m, MoELayer))
