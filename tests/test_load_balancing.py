@@ -154,3 +154,31 @@ def test_the_references_keys_map():
     )
     assert got["moe"]["moe_router_load_balancing_type"] == "seq_aux_loss"
     assert got["moe"]["moe_aux_loss_coeff"] == 0.001
+
+
+def test_a_sigmoid_routers_balancing_probabilities_are_megatrons():
+    """GLM-4.5's routers choose on sigmoid scores plus the expert bias; the loss reads the
+    unbiased scores normalized over the experts, as megatron's sigmoid aux loss does."""
+    from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
+    from policyworker.model.router_rules import Sigmoid
+
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(12, 8, generator=g), 0.2 * torch.randn(8, generator=g)
+    _, want = compute_routing_scores_for_aux_loss(logits, 2, "sigmoid")
+    got = Sigmoid(groups=2, group_topk=1, scale=1.0).balance_probs(logits.sigmoid() + bias, bias)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["aux_loss", "seq_aux_loss"])
+def test_a_sigmoid_routers_loss_reaches_its_weights_and_is_reported(tmp_path, kind):
+    """With the expert bias, megatron discards the values the choice returns: the loss is
+    attached to the router's output weights instead, and still reaches the router."""
+    folder = make_hf_model(tmp_path / "glm", "glm4_moe")
+    data = make_batch(batch=4, seq=12)
+    router = "model.layers.1.mlp.gate.weight"
+    plain = _worker_grads(make_worker(folder), data)[router]
+    worker = make_worker(folder, moe=_balancing(kind))
+    balanced = _worker_grads(worker, data)[router]
+    assert not torch.allclose(plain, balanced)
+    assert make_worker(folder, moe=_balancing(kind)).train(data, NLLLoss())["moe_aux_loss"] > 0

@@ -451,7 +451,7 @@ def _assert_layout_matches(results, layouts, layout) -> None:
 GLM_LAYOUTS = {  # GLM-4.5's sigmoid routers (group-limited, expert bias moved every step),
     # partial RoPE and ungated shared experts: what differs from Qwen2-MoE's paths, on two ranks
     "tp2-sequence-parallel-packed-replay": (2, 1, ("sp", "pack", "replay", "bias")),
-    "ep2-cp2-packed-chunked": (1, 1, ("ep", "cp", "pack", "chunk", "bias")),
+    "ep2-cp2-packed-chunked-seq-aux-loss": (1, 1, ("ep", "cp", "pack", "chunk", "seqaux", "bias")),
     "pp2-split-step": (1, 2, ("split", "bias")),
 }
 
@@ -464,12 +464,14 @@ def glm_layouts(tmp_path_factory):
     from policyworker.worker import MegatronPolicyWorker
 
     folder = make_hf_model(tmp_path_factory.mktemp("glm"), "glm4_moe", vocab_size=VOCAB)
-    single = {
-        (replay, False): layout_results(
-            MegatronPolicyWorker(config(str(folder), tp=1, pp=1, replay=replay, bias=True)),
+    single = {  # by (router replay, a per-sequence load-balancing loss)
+        (replay, seq_aux): layout_results(
+            MegatronPolicyWorker(
+                config(str(folder), tp=1, pp=1, replay=replay, seq_aux=seq_aux, bias=True)
+            ),
             fixed_batch(VOCAB),
         )
-        for replay in (False, True)
+        for replay, seq_aux in ((False, False), (True, False), (False, True))
     }
     out = tmp_path_factory.mktemp("glm_two_ranks")
     launch(folder, out, GLM_LAYOUTS, nproc=2)
@@ -479,9 +481,9 @@ def glm_layouts(tmp_path_factory):
 @pytest.mark.processes
 @pytest.mark.parametrize("layout", GLM_LAYOUTS)
 def test_glm_layouts_match_one_rank(glm_layouts, layout):
-    """GLM-4.5 in TP2+SP, EP2 x CP2 and PP2 (packed, chunked, replayed, split steps): the
-    one-rank results, the expert bias moving alike in every layout (its token counts summed
-    over the ranks that share the tokens)."""
+    """GLM-4.5 in TP2+SP, EP2 x CP2 and PP2 (packed, chunked, replayed, split steps, a
+    per-sequence balancing loss): the one-rank results, the expert bias moving alike in every
+    layout (its token counts summed over the ranks that share the tokens)."""
     _assert_layout_matches(glm_layouts, GLM_LAYOUTS, layout)
 
 

@@ -363,12 +363,6 @@ def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) 
         if moe.router_replay:
             raise ValueError("moe.router_replay: expected false (a dense model has no routers)")
         return
-    if isinstance(shape.moe.rule, Sigmoid) and moe.moe_router_load_balancing_type != "none":
-        raise ValueError(
-            "moe.moe_router_load_balancing_type: a load-balancing loss with sigmoid routing "
-            f"({shape.architecture}) is not supported yet; expected none (its expert bias "
-            "balances: moe.moe_router_bias_update_rate)"
-        )
     if shape.moe.num_experts % ep:
         raise ValueError(
             f"{field('expert_model_parallel')}: expected a divisor of "

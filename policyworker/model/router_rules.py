@@ -38,6 +38,12 @@ class Softmax:
     def choose(self, scores: torch.Tensor, k: int, default: TopK) -> tuple[torch.Tensor, ...]:
         return default(scores, k, None, None)
 
+    def balance_probs(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Every expert's probability for the load-balancing loss, from `choose`'s scores."""
+        if not self.normalize:  # megatron's scores are the softmax over all experts already
+            return scores
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+
 
 @dataclass(frozen=True, slots=True)
 class Sigmoid:
@@ -67,6 +73,13 @@ class Sigmoid:
         keep = keep.unsqueeze(-1).expand_as(grouped).reshape(tokens, experts)
         values, indices = scores.masked_fill(~keep, float("-inf")).topk(k, dim=-1, sorted=False)
         return values, indices
+
+    def balance_probs(self, scores: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The sigmoid scores normalized over the experts (megatron's and DeepSeek-V3's balancing
+        probabilities); `choose` was handed them plus the bias, taken off again here."""
+        if bias is not None:
+            scores = scores - bias.float()
+        return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
 RouterRule = Softmax | Sigmoid

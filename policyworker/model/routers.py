@@ -7,7 +7,9 @@ megatron-core's routers take a `RouterReplay` that picks the top-k; ours, one pe
 * replays the routes of the current micro-batch (`routed_experts`, as this rank's router sees
   its tokens), a token whose row is all -1 left to the router;
 * adds the load-balancing loss of the experts it chose (`model/balance.py`: the variant is a
-  type chosen once) to a training forward, over the micro-batch's segments;
+  type chosen once) to a training forward, over the micro-batch's segments: computed where it
+  chooses, attached to the router's output weights (a sigmoid router with the expert bias
+  discards what the choice returns);
 * in the backward, replays the same again, micro-batch by micro-batch in forward order, for the
   forwards that activation recompute repeats (pipeline schedules run later micro-batches'
   forwards in between: each layer keeps a queue, as megatron's own replay-backward does);
@@ -57,15 +59,15 @@ class LayerRouter(RouterReplay):
         self,
         balance: Balance,
         group: dist.ProcessGroup | None,
-        pre_softmax: bool,
         rule: RouterRule,
+        bias: torch.Tensor | None,
     ) -> None:
         super().__init__()
         RouterReplay.global_router_replay_instances.remove(self)
-        self.balance, self.group, self.pre_softmax = balance, group, pre_softmax
-        """The loss variant, the group sharing a segment's tokens, and whether the router's
-        scores are already the softmax over all experts."""
-        self.rule = rule  # how the top k are chosen
+        self.balance, self.group, self.rule, self.bias = balance, group, rule, bias
+        """The loss variant, the group sharing a segment's tokens, how the top k are chosen
+        and the router's expert bias (None: none)."""
+        self.pending: torch.Tensor | None = None  # the loss term of the current forward
         self.balance_scale = 1.0  # the step's gradient scale of the loss
         self.balance_total: torch.Tensor | None = None  # the step's terms so far (detached)
         self.queue: deque[RouterInputs] = deque()  # a step's inputs, for recomputed forwards
@@ -81,6 +83,7 @@ class LayerRouter(RouterReplay):
     def reset(self) -> None:
         self.queue.clear()
         self.current, self.backward, self.differs = RouterInputs(), False, None
+        self.pending = None
         self.recorded_topk_idx = None
 
     @property
@@ -106,20 +109,29 @@ class LayerRouter(RouterReplay):
             values = scores.gather(1, used)
         self.recorded_topk_idx = used
         if inputs.segments is not None:  # a training forward with a balancing loss
-            values = self._add_balance(values, scores, used, inputs)
+            self.pending = self._balance(scores, used, inputs)
         return values, used
 
-    def _add_balance(
-        self, values: torch.Tensor, scores: torch.Tensor, used: torch.Tensor, inputs: RouterInputs
+    def _balance(
+        self, scores: torch.Tensor, used: torch.Tensor, inputs: RouterInputs
     ) -> torch.Tensor:
+        """The forward's loss term, scaled for the step's gradient."""
         assert inputs.segments is not None
-        probs = scores if self.pre_softmax else torch.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = self.rule.balance_probs(scores, self.bias)
         coeff, count = self.balance.coeff, inputs.num_segments
         term = balance_term(probs, used, inputs.segments, count, coeff=coeff, group=self.group)
         if not self.backward:  # the step's metric counts a forward once, not its recompute
             total = self.balance_total
             self.balance_total = term.detach() if total is None else total + term.detach()
-        return AttachLoss.apply(values, term * self.balance_scale)
+        return term * self.balance_scale
+
+    def attach(self, output: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The router's (weights, routing map), the pending loss term attached to the weights."""
+        if self.pending is None:
+            return output
+        probs, routing_map = output
+        term, self.pending = self.pending, None
+        return AttachLoss.apply(probs, term), routing_map
 
 
 class Routers:
@@ -153,10 +165,10 @@ class Routers:
             if isinstance(layer.mlp, MoELayer):
                 router = layer.mlp.router
                 group = router.tp_cp_group  # the ranks that share a segment's tokens
-                mine = LayerRouter(self.balance, group, config.moe_router_pre_softmax, rule)
+                mine = LayerRouter(self.balance, group, rule, router.expert_bias)
                 router.router_replay = mine
                 self.layers[int(ordinal[layer.layer_number - 1])] = mine
-                router.register_forward_hook(self._counter(layer.layer_number - 1, mine))
+                router.register_forward_hook(self._after(layer.layer_number - 1, mine))
 
     # --- each forward -------------------------------------------------------------------------
 
@@ -245,16 +257,21 @@ class Routers:
             out["moe_aux_loss"] = float(balance) / (loss_tokens + 1e-8) / per_layer.shape[0]
         return out
 
-    def _counter(self, index: int, layer: LayerRouter) -> Any:
-        def hook(router: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _after(self, index: int, layer: LayerRouter) -> Any:
+        """The router's forward hook: the forward's balancing loss attached to its weights,
+        and in a training forward (not its recompute) its real tokens counted."""
+
+        def hook(router: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            output = layer.attach(output)
             if not layer.counting:  # not a training forward, or its recompute
-                return
+                return output
             routing_map = output[1]  # [tokens, experts]
             padding = args[1] if len(args) > 1 else None  # MoELayer.route passes it positionally
             real = torch.ones_like(routing_map[:, 0]) if padding is None else ~padding.reshape(-1)
             self.counts[index] += (routing_map & real[:, None]).sum(dim=0)
             if layer.differs is not None:
                 self.replayed += torch.stack([real.sum(), (layer.differs & real).sum()])
+            return output
 
         return hook
 
