@@ -372,23 +372,33 @@ def moe_layouts(tmp_path_factory):
     """Qwen2-MoE (routed and shared experts, tied embeddings) on one rank (plain, with router
     replay, with a per-sequence load-balancing loss) and on every two-rank layout of
     `MOE_LAYOUTS` (one launch of tests/multirank.py)."""
+    from test_parallel import VOCAB
+
+    folder = make_hf_model(
+        tmp_path_factory.mktemp("moe_tied"), "qwen2_moe", vocab_size=VOCAB, tie_word_embeddings=True
+    )
+    return _one_and_two_ranks(folder, MOE_LAYOUTS, tmp_path_factory.mktemp("moe_two_ranks"))
+
+
+def _one_and_two_ranks(folder, layouts, out, **flags):
+    """`folder`'s results on one rank — plain, with router replay, with a per-sequence
+    load-balancing loss, each with `flags` (`multirank.config`) — and on every two-rank layout of
+    `layouts` (one launch of tests/multirank.py, into `out`)."""
     from multirank import config, fixed_batch, layout_results
     from test_parallel import VOCAB, launch
 
     from policyworker.worker import MegatronPolicyWorker
 
-    folder = make_hf_model(
-        tmp_path_factory.mktemp("moe_tied"), "qwen2_moe", vocab_size=VOCAB, tie_word_embeddings=True
-    )
     single = {  # by (router replay, a per-sequence load-balancing loss)
         (replay, seq_aux): layout_results(
-            MegatronPolicyWorker(config(str(folder), tp=1, pp=1, replay=replay, seq_aux=seq_aux)),
+            MegatronPolicyWorker(
+                config(str(folder), tp=1, pp=1, replay=replay, seq_aux=seq_aux, **flags)
+            ),
             fixed_batch(VOCAB),
         )
         for replay, seq_aux in ((False, False), (True, False), (False, True))
     }
-    out = tmp_path_factory.mktemp("moe_two_ranks")
-    launch(folder, out, MOE_LAYOUTS, nproc=2)
+    launch(folder, out, layouts, nproc=2)
     return folder, single, out
 
 
@@ -458,24 +468,11 @@ GLM_LAYOUTS = {  # GLM-4.5's sigmoid routers (group-limited, expert bias moved e
 
 @pytest.fixture(scope="module")
 def glm_layouts(tmp_path_factory):
-    from multirank import config, fixed_batch, layout_results
-    from test_parallel import VOCAB, launch
-
-    from policyworker.worker import MegatronPolicyWorker
+    from test_parallel import VOCAB
 
     folder = make_hf_model(tmp_path_factory.mktemp("glm"), "glm4_moe", vocab_size=VOCAB)
-    single = {  # by (router replay, a per-sequence load-balancing loss)
-        (replay, seq_aux): layout_results(
-            MegatronPolicyWorker(
-                config(str(folder), tp=1, pp=1, replay=replay, seq_aux=seq_aux, bias=True)
-            ),
-            fixed_batch(VOCAB),
-        )
-        for replay, seq_aux in ((False, False), (True, False), (False, True))
-    }
     out = tmp_path_factory.mktemp("glm_two_ranks")
-    launch(folder, out, GLM_LAYOUTS, nproc=2)
-    return folder, single, out
+    return _one_and_two_ranks(folder, GLM_LAYOUTS, out, bias=True)
 
 
 @pytest.mark.processes
