@@ -17,7 +17,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from policyworker.checkpoint.checkpointer import Checkpointer, Trainee, finalize_unfinished
-from policyworker.compat import finalize, router
+from policyworker.compat import finalize, mla, router
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.contract import BatchRules
@@ -34,6 +34,7 @@ from policyworker.model.hf_config import (
     load_hf_config,
     model_shape,
 )
+from policyworker.model.latent import DuplicatedLinear
 from policyworker.model.paths import ForwardPaths, choose_paths
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.routers import Routers
@@ -123,6 +124,8 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
     apply_cpu_patches()
     finalize.install()
     router.install()
+    if shape.latent is not None:
+        mla.install(DuplicatedLinear)
     dims, groups = setup_parallel(config.parallel)
     torch.manual_seed(config.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
@@ -135,6 +138,8 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
         batch_invariant=config.batch_invariant,
         decode_attention=config.generation.decode_attention,
         rotary_dim=shape.rotary_dim,
+        rotary_offset=shape.rotary_offset,
+        widths_differ=shape.latent is not None and shape.latent.v_dim != shape.head_dim,
     )
     return Parts(
         cfg=config,

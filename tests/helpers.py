@@ -23,6 +23,7 @@ ARCHS = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 MOE = {
     "qwen3_moe": dict(
@@ -40,6 +41,14 @@ MOE = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
         norm_topk_prob=True, head_dim=32, attention_bias=True, use_qk_norm=True,
+    ),
+    # multi-head latent attention (q and kv latents, interleaved RoPE rows) and GLM-4.5's routing
+    # with 4 groups (2 chosen)
+    "deepseek_v3": dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+        topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
     ),
 }  # fmt: skip
 

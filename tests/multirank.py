@@ -106,9 +106,10 @@ def layout_results(
     out["teacher_full_payload"] = worker.get_logprobs_with_full_payload(
         data=data, payload="logits", payload_dtype="float32"
     )["teacher_full_payload"]
-    out["qkv_scales"] = worker.calibrate_qkv_fp8_scales(
-        data=data, micro_batch_size=2, percentile=100.0, include_q=True
-    )
+    if worker.shape.latent is None:  # refused by name for latent attention
+        out["qkv_scales"] = worker.calibrate_qkv_fp8_scales(
+            data=data, micro_batch_size=2, percentile=100.0, include_q=True
+        )
     # One step of each other loss (their gradients show in grad_norm), in a fixed order.
     out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
     out["train"] += full_distillation_steps(worker, data, split)
@@ -314,7 +315,7 @@ def run_layout(model: str, out: Path, tp: int, pp: int, flags: list[str]) -> Non
     }
     full["train"] = [s["train"] for s in shards]
     full["tp_attributes"] = mine["tp_attributes"]  # rank 0's
-    full["qkv_scales"] = mine["qkv_scales"]  # every rank's is the same
+    full["qkv_scales"] = mine.get("qkv_scales")  # every rank's is the same
     full["export_after_train"] = mine["export_after_train"]  # rank 0's stage
     worker.save_hf_pretrained(out.with_suffix(".hf"))  # collective
     full["dims"] = worker.dims

@@ -1,7 +1,8 @@
-"""A new family's weights through every refit transport into the transformers engine: GLM-4.5
-(sigmoid routers whose expert bias is a buffer, not a parameter; ungated shared experts) after a
-step that moved its weights and its expert bias — the engine holds the trainer's export bit for
-bit and scores as the trainer does."""
+"""The new families' weights through the refit transports into the transformers engine: GLM-4.5
+(sigmoid routers whose expert bias is a buffer, not a parameter; ungated shared experts) through
+every transport, DeepSeek-V3 (latent attention's projections and norms) through IPC, after a step
+that moved the weights and the expert bias — the engine holds the trainer's export bit for bit
+and scores as the trainer does."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ KEY = "a test run's key"
 
 
 @pytest.fixture(scope="module")
-def glm_dir(tmp_path_factory):
-    return make_hf_model(tmp_path_factory.mktemp("glm"), "glm4_moe")
+def folders(tmp_path_factory):
+    return {f: make_hf_model(tmp_path_factory.mktemp(f), f) for f in ("glm4_moe", "deepseek_v3")}
 
 
 def _refit(worker, gen: GenerationProcess, transport: str) -> None:
@@ -45,11 +46,20 @@ def _refit(worker, gen: GenerationProcess, transport: str) -> None:
         worker.finish_remote_sparse_delta_sync(succeeded=True)
 
 
-@pytest.mark.parametrize("transport", ["ipc", "collective", "sparse"])
-def test_glm_refits_into_the_transformers_engine_exactly(glm_dir, transport, monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "transport"),
+    [
+        ("glm4_moe", "ipc"),
+        ("glm4_moe", "collective"),
+        ("glm4_moe", "sparse"),
+        ("deepseek_v3", "ipc"),
+    ],
+)
+def test_refits_into_the_transformers_engine_exactly(folders, family, transport, monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY)
+    folder = folders[family]
     moe = MoEConfig(moe_router_bias_update_rate=1e-2)
-    worker = make_worker(glm_dir, optimizer=OptimizerConfig(lr=1e-2), moe=moe)
+    worker = make_worker(folder, optimizer=OptimizerConfig(lr=1e-2), moe=moe)
     info = worker.prepare_refit_info()
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in info
     if transport == "sparse":
@@ -60,7 +70,7 @@ def test_glm_refits_into_the_transformers_engine_exactly(glm_dir, transport, mon
     sent = dict(worker.export_hf_weights())
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     assert not torch.equal(sent[bias], before[bias])  # the step moved the expert bias
-    with GenerationProcess(str(glm_dir), info, timeout_s=60.0) as gen:
+    with GenerationProcess(str(folder), info, timeout_s=60.0) as gen:
         if transport == "collective":
             port = free_port()
             gen.init_collective("127.0.0.1", port, 2, 1)

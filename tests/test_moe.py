@@ -1,5 +1,5 @@
-"""Mixture-of-experts decoders from Hugging Face (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5; 8 experts,
-top-2):
+"""Mixture-of-experts decoders from Hugging Face (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5,
+DeepSeek-V3; 8 experts, top-2):
 logprobs, top-k and a loss's gradients equal transformers' (fp32), per-expert export that
 transformers reloads, the fused expert layout read too, and the architectures refused by name."""
 
@@ -23,6 +23,8 @@ FAMILIES = {
     "qwen2_moe-sparse-step": {"decoder_sparse_step": 2, "num_hidden_layers": 4},
     "mixtral": {},
     "glm4_moe": {},  # sigmoid routing + expert bias, groups, shared experts, partial RoPE
+    "deepseek_v3": {},  # multi-head latent attention, RoPE rows interleaved; 4 groups
+    "deepseek_v3-rope-halves": {"rope_interleave": False},
 }
 
 
@@ -156,7 +158,6 @@ def test_experts_stored_fused_load_the_same(tmp_path):
 @pytest.mark.parametrize(
     ("architecture", "match"),
     [
-        ("DeepseekV3ForCausalLM", "DeepSeek-V3 .* not supported yet"),
         ("GptOssForCausalLM", "gpt-oss"),
     ],
 )

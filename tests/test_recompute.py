@@ -26,7 +26,7 @@ RECOMPUTE = {
 }
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "glm4_moe", "deepseek_v3"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 def test_recompute_gives_the_same_gradients(tmp_path, arch, packed):
     """Gradients of a split step's chunk (fp32 CPU) with full (uniform over single layers or two,

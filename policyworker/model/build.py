@@ -28,12 +28,16 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -44,7 +48,8 @@ from policyworker.config import MoEConfig, RecomputeConfig
 from policyworker.model.attention.core import CoreAttention
 from policyworker.model.chunked_mlp import ChunkedMLP
 from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
-from policyworker.model.hf_config import ModelShape, MoEShape, rope_inv_freq
+from policyworker.model.hf_config import LatentShape, ModelShape, MoEShape, rope_inv_freq
+from policyworker.model.latent import DuplicatedLinear, LatentNorm
 from policyworker.model.norm import RMSNorm
 from policyworker.model.paths import ForwardPaths
 from policyworker.ops.logprobs import Head
@@ -60,9 +65,11 @@ def transformer_config(
     moe: MoEConfig | None = None,
     recompute: RecomputeConfig | None = None,
 ) -> TransformerConfig:
-    """megatron's TransformerConfig for `shape`; fusions that need apex/TE are off."""
+    """megatron's TransformerConfig for `shape` (an MLATransformerConfig for latent attention);
+    fusions that need apex/TE are off."""
     bf16 = params_dtype == torch.bfloat16
-    return TransformerConfig(
+    config = MLATransformerConfig if shape.latent is not None else TransformerConfig
+    return config(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         ffn_hidden_size=shape.ffn_hidden_size,
@@ -75,7 +82,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=shape.arch.qkv_bias,
-        qk_layernorm=shape.arch.qk_norm,
+        qk_layernorm=shape.arch.qk_norm or shape.latent is not None,  # MLA: the latents' norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=params_dtype,
@@ -101,6 +108,22 @@ def transformer_config(
         calculate_per_token_loss=True,
         **moe_fields(shape.moe, moe or MoEConfig()),
         **recompute_fields(recompute or RecomputeConfig()),
+        **latent_fields(shape.latent),
+    )
+
+
+def latent_fields(latent: LatentShape | None) -> dict[str, Any]:
+    """MLATransformerConfig's dimensions (its RoPE is our core attention's: `compat/mla.py`)."""
+    if latent is None:
+        return {}
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=latent.q_lora_rank or None,
+        kv_lora_rank=latent.kv_lora_rank,
+        qk_head_dim=latent.nope_dim,
+        qk_pos_emb_head_dim=latent.rope_dim,
+        v_head_dim=latent.v_dim,
+        rope_type="rope",
     )
 
 
@@ -145,13 +168,19 @@ def moe_fields(moe: MoEShape | None, cfg: MoEConfig) -> dict[str, Any]:
 
 
 def layer_spec(
-    *, qk_norm: bool, moe_layers: tuple[bool, ...], num_experts: int, grouped: bool = False
+    *,
+    qk_norm: bool,
+    moe_layers: tuple[bool, ...],
+    num_experts: int,
+    grouped: bool = False,
+    latent: LatentShape | None = None,
 ) -> TransformerBlockSubmodules:
     """Pre-norm decoder layers of megatron modules, one per entry of `moe_layers` (an MoE layer
     of `num_experts` experts where True, a dense MLP where False), plus the final norm.
     `grouped`: the experts run on grouped GEMMs (`GroupedExperts`), not SequentialMLP's loop, in a
-    `GroupedMoELayer` (no host sync per layer where every expert is local)."""
-    dense = _dense_layer(qk_norm=qk_norm)
+    `GroupedMoELayer` (no host sync per layer where every expert is local). `latent`: multi-head
+    latent attention (megatron's MLASelfAttention) instead of self-attention."""
+    dense = _dense_layer(qk_norm=qk_norm, latent=latent)
     if not any(moe_layers):
         return TransformerBlockSubmodules(layer_specs=[dense] * len(moe_layers), layer_norm=RMSNorm)
     mlp = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
@@ -164,23 +193,45 @@ def layer_spec(
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
-def _dense_layer(*, qk_norm: bool) -> ModuleSpec:
+def _attention(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
+    """Self-attention of megatron's modules with our core attention; or multi-head latent
+    attention (down-projections to the latents, their norms, up-projections)."""
+    if latent is not None:
+        return ModuleSpec(
+            module=MLASelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=MLASelfAttentionSubmodules(
+                linear_q_proj=ColumnParallelLinear,
+                linear_q_down_proj=DuplicatedLinear,
+                linear_q_up_proj=ColumnParallelLinear,
+                linear_kv_down_proj=DuplicatedLinear,
+                linear_kv_up_proj=ColumnParallelLinear,
+                core_attention=CoreAttention,
+                linear_proj=RowParallelLinear,
+                q_layernorm=LatentNorm if latent.q_lora_rank else IdentityOp,
+                kv_layernorm=LatentNorm,
+            ),
+        )
     qk = RMSNorm if qk_norm else IdentityOp
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=CoreAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=qk,
+            k_layernorm=qk,
+        ),
+    )
+
+
+def _dense_layer(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=ColumnParallelLinear,
-                    core_attention=CoreAttention,
-                    linear_proj=RowParallelLinear,
-                    q_layernorm=qk,
-                    k_layernorm=qk,
-                ),
-            ),
+            self_attention=_attention(qk_norm=qk_norm, latent=latent),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=partial(
@@ -230,6 +281,7 @@ def build_gpt_model(
         moe_layers=moe_layers[first : first + count],
         num_experts=shape.moe.num_experts if shape.moe else 0,
         grouped=moe.moe_grouped_gemm,
+        latent=shape.latent,
     )
     model = GPTModel(
         config=config,

@@ -38,7 +38,11 @@ class QKVAmax:
     def __enter__(self) -> QKVAmax:
         for layer in self.model.decoder.layers:
             attention = layer.self_attention
-            assert isinstance(attention, SelfAttention)
+            if not isinstance(attention, SelfAttention):  # MLA: its cache would hold latents
+                raise ValueError(
+                    "calibrate_qkv_fp8_scales: not supported for multi-head latent attention "
+                    "(FP8 scales of per-head keys and values; an MLA engine caches latents)"
+                )
             core = attention.core_attention
             assert isinstance(core, CoreAttention)
             index = layer.layer_number - 1

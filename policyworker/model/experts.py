@@ -46,6 +46,7 @@ _GLM = ExpertNames(
     block="mlp", gate="gate_proj", up="up_proj", down="down_proj", shared="shared_experts"
 )
 EXPERT_NAMES: dict[str, ExpertNames] = {
+    "DeepseekV3ForCausalLM": _GLM,  # the same names
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN,
     "Qwen3MoeForCausalLM": _QWEN,

@@ -44,14 +44,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3MoeForCausalLM": ArchSpec(qkv_bias=False, qk_norm=True),
     # its config says whether q/k/v have biases (attention_bias) and q/k norms (use_qk_norm)
     "Glm4MoeForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
+    # multi-head latent attention (`LatentShape`), GLM-4.5's routing
+    "DeepseekV3ForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
 }
 CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 """Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
 `use_qk_norm` adds per-head q/k norms."""
 
 NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
-    "DeepseekV3ForCausalLM": "DeepSeek-V3 (MLA attention, a sigmoid router with expert bias and "
-    "group-limited routing, shared experts, dense first layers)",
     "GptOssForCausalLM": "gpt-oss (biases, attention sinks, sliding-window layers)",
 }
 
@@ -76,6 +76,23 @@ class MoEShape:
 
 
 @dataclass(frozen=True, slots=True)
+class LatentShape:
+    """Multi-head latent attention (DeepSeek-V3): queries through a rank-`q_lora_rank` bottleneck
+    (0: one projection), keys and values from a rank-`kv_lora_rank` latent plus one RoPE key
+    shared by the heads; a head's query/key is `nope_dim` features without RoPE, then `rope_dim`
+    with; its value `v_dim`."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    interleaved: bool
+    """HF's `rope_interleave`: the checkpoint's RoPE features are in interleaved pairs, as
+    megatron's MLA reads them (false: halves, permuted on load and back on export)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
     """The dimensions of a dense decoder, read once from the HF config."""
 
@@ -94,8 +111,12 @@ class ModelShape:
     moe: MoEShape | None = None
     """The experts, for a mixture-of-experts decoder."""
     rotary_dim: int = 0
-    """The leading features of each head that RoPE rotates (0: all of `head_dim`; GLM-4.5's
-    `partial_rotary_factor` rotates half); the rest pass through."""
+    """The features of each head that RoPE rotates, from `rotary_offset` (0: all of
+    `head_dim`; GLM-4.5's `partial_rotary_factor` rotates the first half, MLA the last
+    `rope_dim`); the rest pass through."""
+    rotary_offset: int = 0
+    latent: LatentShape | None = None
+    """Multi-head latent attention's dimensions (None: standard attention)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -159,6 +180,11 @@ def model_shape(hf_config: Any) -> ModelShape:
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     rotary_dim = int(head_dim * partial_rotary_factor(hf_config))
+    latent = _latent_shape(hf_config) if name == "DeepseekV3ForCausalLM" else None
+    offset = 0
+    if latent is not None:  # every head has its own keys; RoPE on the last rope_dim features
+        kv_heads, head_dim = heads, latent.nope_dim + latent.rope_dim
+        offset, rotary_dim = latent.nope_dim, latent.rope_dim
     return ModelShape(
         architecture=name,
         arch=_arch(name, hf_config),
@@ -174,6 +200,26 @@ def model_shape(hf_config: Any) -> ModelShape:
         max_position_embeddings=hf_config.max_position_embeddings,
         moe=_moe_shape(name, hf_config),
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
+        rotary_offset=offset,
+        latent=latent,
+    )
+
+
+def _latent_shape(hf_config: Any) -> LatentShape:
+    if getattr(hf_config, "attention_bias", False):
+        raise UnsupportedModelError("DeepSeek-V3 with attention_bias=True is not supported")
+    if not hf_config.q_lora_rank:  # its resolver wants TE's fused norm+linear for linear_q_proj
+        raise UnsupportedModelError(
+            "q_lora_rank=None (Moonlight, DeepSeek-V2-Lite) is not supported yet: megatron-core "
+            "0.19 builds that MLA only with Transformer Engine"
+        )
+    return LatentShape(
+        q_lora_rank=hf_config.q_lora_rank or 0,
+        kv_lora_rank=hf_config.kv_lora_rank,
+        nope_dim=hf_config.qk_nope_head_dim,
+        rope_dim=hf_config.qk_rope_head_dim,
+        v_dim=hf_config.v_head_dim,
+        interleaved=bool(getattr(hf_config, "rope_interleave", True)),
     )
 
 
@@ -210,7 +256,7 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
             rule=Softmax(normalize=True),
             layers=(True,) * layers,
         )
-    if name == "Glm4MoeForCausalLM":
+    if name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_shape(hf_config)
     if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
@@ -230,7 +276,7 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
 
 
 def _sigmoid_moe_shape(hf_config: Any) -> MoEShape:
-    """DeepSeek-style experts (GLM-4.5): sigmoid routing with the expert bias, group-limited,
+    """DeepSeek-style experts (DeepSeek-V3, GLM-4.5): sigmoid routing with the expert bias, group-limited,
     scaled; ungated shared experts; the first `first_k_dense_replace` layers dense."""
     if not hf_config.norm_topk_prob:  # megatron renormalizes sigmoid weights always
         raise UnsupportedModelError("norm_topk_prob=False with sigmoid routing is not supported")

@@ -104,3 +104,30 @@ class VocabRows(Copy):
 
 
 Mapping = Copy | QKV | GateUp | VocabRows
+
+
+@dataclass(frozen=True, slots=True)
+class RopeRows(Copy):
+    """A tensor whose rows come in blocks of `block` (a head's, or the whole tensor), each with
+    `dim` RoPE rows from `start`. megatron's MLA reads RoPE features as interleaved pairs (it
+    takes the even features, then the odd ones, before rotating halves), as DeepSeek-V3's
+    checkpoints store them; a checkpoint with `rope_interleave: false` stores the halves, so
+    its rows are interleaved on load and taken apart on export: a permutation, exact both ways."""
+
+    block: int = 0
+    start: int = 0
+    dim: int = 0
+
+    def _order(self, rows: int, *, to_mcore: bool) -> torch.Tensor:
+        halves = torch.arange(self.dim).reshape(2, -1).t().reshape(-1)  # 0, d/2, 1, d/2 + 1, ...
+        within = torch.arange(self.block)
+        within[self.start : self.start + self.dim] = self.start + (
+            halves if to_mcore else halves.argsort()
+        )
+        return (torch.arange(0, rows, self.block)[:, None] + within).reshape(-1)
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        return tensors[0][self._order(tensors[0].shape[0], to_mcore=True)]
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        return [tensor[self._order(tensor.shape[0], to_mcore=False)]]

@@ -122,14 +122,22 @@ def choose_paths(
     batch_invariant: bool,
     decode_attention: str,
     rotary_dim: int = 0,
+    rotary_offset: int = 0,
+    widths_differ: bool = False,
 ) -> ForwardPaths:
     """The kernels of every phase: exact SDPA paths on the CPU and in fp32, the GPU's half
     precision kernels in bf16/fp16; `batch_invariant` (where our Triton kernels run) scores and
     prefills row by row and decodes in one split; `decode_attention` ("sdpa" or "triton", where
-    Triton runs) otherwise picks the decode step's kernel; `rotary_dim` (partial RoPE: each
-    head's first so many features; 0: all) the rotation, and the cache write that fuses RoPE
-    only where it rotates whole heads."""
-    triton = triton_on(device)
+    Triton runs) otherwise picks the decode step's kernel; `rotary_dim` from `rotary_offset`
+    (partial RoPE: so many of each head's features; 0: all) the rotation, and the cache write
+    that fuses RoPE only where it rotates whole heads; `widths_differ` (MLA: a head's value is
+    narrower than its key) the decode step's SDPA (our Triton kernel reads one width)."""
+    if widths_differ and batch_invariant:
+        raise ValueError(
+            "batch_invariant: not supported yet with multi-head latent attention (its decode "
+            "kernel reads keys and values of one width)"
+        )
+    triton = triton_on(device) and not widths_differ
     half_on_gpu = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
     train: Kernels = Flash() if half_on_gpu else Exact()
     invariant = batch_invariant and triton
@@ -141,5 +149,5 @@ def choose_paths(
         rows=MinRows() if batch_invariant else AnyRows(),
     )
     score = ByRows() if invariant else train
-    rotate = rotate_for(device, rotary_dim)
+    rotate = rotate_for(device, rotary_dim, rotary_offset)
     return ForwardPaths(train=train, score=score, generation=generation, rotate=rotate, dtype=dtype)

@@ -20,17 +20,56 @@ from safetensors import safe_open
 
 from policyworker.model.experts import ExpertSplit, expert_shapes, fused_source, moe_mappings
 from policyworker.model.hf_config import ModelShape
-from policyworker.model.layouts import QKV, Copy, GateUp, Mapping, VocabRows
+from policyworker.model.layouts import QKV, Copy, GateUp, Mapping, RopeRows, VocabRows
 from policyworker.parallel.dims import Groups
 
 __all__ = ["QKV", "Copy", "GateUp", "Mapping", "VocabRows", "mappings"]
 
 
+def _latent_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:
+    """Multi-head latent attention's projections and norms (megatron's MLASelfAttention)."""
+    lat = shape.latent
+    assert lat is not None
+    head, a = lat.nope_dim + lat.rope_dim, m + "self_attention."
+    rope = Copy if lat.interleaved else RopeRows  # interleaved: what megatron's MLA reads
+    up = {} if lat.interleaved else dict(block=head, start=lat.nope_dim, dim=lat.rope_dim)
+    if lat.q_lora_rank:
+        out: list[Mapping] = [
+            Copy(a + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), None),
+            Copy(a + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), None),
+            rope(a + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), 0, **up),
+        ]
+    else:
+        out = [rope(a + "linear_q_proj.weight", (attn + "q_proj.weight",), 0, **up)]
+    kv_rows = lat.kv_lora_rank + lat.rope_dim
+    down = {} if lat.interleaved else dict(block=kv_rows, start=lat.kv_lora_rank, dim=lat.rope_dim)
+    out += [
+        rope(a + "linear_kv_down_proj.weight", (attn + "kv_a_proj_with_mqa.weight",), None, **down),
+        Copy(a + "kv_layernorm.weight", (attn + "kv_a_layernorm.weight",), None),
+        Copy(a + "linear_kv_up_proj.weight", (attn + "kv_b_proj.weight",), 0),
+    ]
+    return out
+
+
 def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     attn = f"{h}self_attn."
+    out: list[Mapping] = [Copy(m + "input_layernorm.weight", (h + "input_layernorm.weight",), None)]
+    if shape.latent is not None:
+        out += _latent_mappings(m, attn, shape)
+    else:
+        out += _attention_mappings(m, attn, shape)
+    out += [
+        Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1),
+        Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
+    ]
+    if shape.moe is not None and shape.moe.layers[i]:
+        return out + moe_mappings(i, shape)
+    return out + _dense_mlp(m, h)
+
+
+def _attention_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:
     out: list[Mapping] = [
-        Copy(m + "input_layernorm.weight", (h + "input_layernorm.weight",), None),
         QKV(
             m + "self_attention.linear_qkv.weight",
             tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
@@ -50,13 +89,11 @@ def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
             Copy(m + "self_attention.q_layernorm.weight", (attn + "q_norm.weight",), None),
             Copy(m + "self_attention.k_layernorm.weight", (attn + "k_norm.weight",), None),
         ]
-    out += [
-        Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1),
-        Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
-    ]
-    if shape.moe is not None and shape.moe.layers[i]:
-        return out + moe_mappings(i, shape)
-    out += [
+    return out
+
+
+def _dense_mlp(m: str, h: str) -> list[Mapping]:
+    return [
         GateUp(
             m + "mlp.linear_fc1.weight",
             (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
@@ -64,7 +101,6 @@ def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
         ),
         Copy(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), 1),
     ]
-    return out
 
 
 def mappings(shape: ModelShape, tp: int = 1) -> list[Mapping]:

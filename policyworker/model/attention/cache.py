@@ -31,19 +31,25 @@ class Step:
 
 class KVCache:
     """Keys and values of a batch's rows, up to `capacity` positions each (rounded up to a
-    multiple of `KEY_BLOCK`), per attention layer [B, kv_heads, capacity, head_dim], made at the
-    layer's first write."""
+    multiple of `KEY_BLOCK`), per attention layer [B, kv_heads, capacity, head_dim] (values: their
+    own head width, MLA's differs), made at the layer's first write."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def layer(self, number: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `number`'s (keys, values); made as zeros for keys like `like` [s, b, ng, hn]."""
+    def layer(
+        self, number: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `number`'s (keys, values); made as zeros for keys and values like `key`,
+        `value` [s, b, ng, hn]."""
         kv = self.layers.get(number)
         if kv is None:
-            shape = (like.shape[1], like.shape[2], self.capacity, like.shape[3])
-            kv = self.layers[number] = (like.new_zeros(shape), like.new_zeros(shape))
+            b, ng = key.shape[1:3]
+            kv = self.layers[number] = (
+                key.new_zeros(b, ng, self.capacity, key.shape[3]),
+                value.new_zeros(b, ng, self.capacity, value.shape[3]),
+            )
         return kv
 
     def write(
@@ -55,7 +61,7 @@ class KVCache:
         positions: torch.Tensor,
     ) -> None:
         """New keys/values [s, b, ng, hn] at `positions` [s, b] of `rows` [s, b]."""
-        keys, values = self.layer(number, key)
+        keys, values = self.layer(number, key, value)
         keys[rows, :, positions] = key  # advanced indices first: [s, b, ng, hn]
         values[rows, :, positions] = value
 

@@ -90,8 +90,8 @@ at the step's position."""
 def masked_grouped(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [b, np, s, hn] against k/v [b, ng, n, hn], each query reaching the keys up to its
-    position ([s, b]). The query heads sharing a key head (megatron's and SDPA's grouping:
+    """q [b, np, s, hn] against k/v [b, ng, n, hn] (v's width may differ: MLA), each query
+    reaching the keys up to its position ([s, b]). The query heads sharing a key head (megatron's and SDPA's grouping:
     head j reads key head j // (np / ng)) become extra query rows of that key head, so no
     repeated copy of the keys is made (a decode step would otherwise copy the whole cache)."""
     b, heads, s, hn = q.shape
@@ -101,7 +101,7 @@ def masked_grouped(
     mask = reach[:, None, None].expand(b, 1, rep, s, n).reshape(b, 1, rep * s, n)
     grouped = q.reshape(b, groups, rep * s, hn)
     out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scale)
-    return out.reshape(b, heads, s, hn)
+    return out.reshape(b, heads, s, v.shape[-1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ class FusedWrite:
         where: Where,
     ) -> torch.Tensor:
         query, key, value = qkv
-        kv = cache.layer(layer.number, key)
+        kv = cache.layer(layer.number, key, value)
         rope_into_cache(query, key, value, where.angles, where.positions, kv)
         return query
 

@@ -97,7 +97,11 @@ class CoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: object | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
+        """`k_channels`, `v_channels`: a head's key and value widths where they differ (MLA):
+        the kernels read them from the tensors."""
         super().__init__(config=config)
         self.number = layer_number
         """megatron's layer number (global, from 1): this layer's slot in a KV cache."""

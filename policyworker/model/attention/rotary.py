@@ -24,23 +24,26 @@ Never in training: a recomputed layer's first, gradient-free pass must leave wha
 recompute from untouched."""
 
 
-def rotate_for(device: torch.device, rotary_dim: int = 0) -> Rotate:
+def rotate_for(device: torch.device, rotary_dim: int = 0, offset: int = 0) -> Rotate:
     """Our Triton kernel on a GPU, the torch ops (HF's, exact) on the CPU; `rotary_dim`: only
-    each head's first so many features (0: all)."""
+    so many of each head's features, from `offset` (0: all)."""
     rotate = rope_ops.rope if device.type == "cuda" else rope_ops.reference
-    return Partial(rotate, rotary_dim) if rotary_dim else rotate
+    return Partial(rotate, offset, rotary_dim) if rotary_dim else rotate
 
 
 @dataclass(frozen=True, slots=True)
 class Partial:
-    """RoPE on each head's first `dim` features, the rest passed through (GLM-4.5's
-    `partial_rotary_factor`; the angles are `dim` wide)."""
+    """RoPE on `dim` of each head's features from `start`, the rest passed through (GLM-4.5's
+    `partial_rotary_factor`: the first half; MLA: the last `rope_dim`). The angles are `dim`
+    wide."""
 
     rotate: Rotate
+    start: int
     dim: int
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return torch.cat((self.rotate(x[..., : self.dim], cos, sin), x[..., self.dim :]), dim=-1)
+        a, b = self.start, self.start + self.dim
+        return torch.cat((x[..., :a], self.rotate(x[..., a:b], cos, sin), x[..., b:]), dim=-1)
 
 
 class Rotary(torch.nn.Module):

@@ -1,0 +1,63 @@
+"""DeepSeek-V3 (multi-head latent attention, GLM-4.5's sigmoid routing) beyond the family checks
+of test_moe.py: what it refuses by name, and its two-rank layouts."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+from conftest import make_worker
+from helpers import make_batch, make_hf_model
+from test_moe import _assert_layout_matches, _model, _one_and_two_ranks
+
+from policyworker.model.hf_config import LatentShape, UnsupportedModelError, model_shape
+from policyworker.model.router_rules import Sigmoid
+
+
+def test_the_shape_reads_latent_attention_and_refuses_what_is_not_built(tmp_path):
+    shape = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "deepseek_v3")))
+    assert shape.latent == LatentShape(
+        q_lora_rank=32, kv_lora_rank=16, nope_dim=16, rope_dim=8, v_dim=16, interleaved=True
+    )
+    assert (shape.head_dim, shape.num_kv_heads, shape.rotary_offset, shape.rotary_dim) == (
+        24,
+        4,
+        16,
+        8,
+    )
+    assert shape.moe.rule == Sigmoid(groups=4, group_topk=2, scale=2.5)
+    assert shape.moe.layers == (False, True) and not shape.moe.shared_expert_gate
+    no_q_latent = transformers.DeepseekV3Config(q_lora_rank=None)
+    no_q_latent.architectures = ["DeepseekV3ForCausalLM"]
+    with pytest.raises(UnsupportedModelError, match="q_lora_rank=None"):
+        model_shape(no_q_latent)
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e4)
+    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'"):
+        make_worker(make_hf_model(tmp_path / "yarn", "deepseek_v3", rope_parameters=yarn))
+    with pytest.raises(ValueError, match="batch_invariant: not supported yet"):
+        make_worker(_model(tmp_path / "inv", "deepseek_v3"), batch_invariant=True)
+    worker = make_worker(_model(tmp_path / "fp8", "deepseek_v3"))
+    with pytest.raises(ValueError, match="not supported for multi-head latent attention"):
+        worker.calibrate_qkv_fp8_scales(data=make_batch(batch=2, seq=8))
+
+
+DEEPSEEK_LAYOUTS = {  # latent attention's projections under TP (the down-projections gathered),
+    # its RoPE at the layout's positions under CP and packing, PP; the routing as GLM-4.5's
+    "tp2-sequence-parallel-packed-seq-aux-loss": (2, 1, ("sp", "pack", "seqaux", "bias")),
+    "cp2-packed-chunked-replay": (1, 1, ("cp", "pack", "chunk", "replay", "bias")),
+    "pp2-split-step": (1, 2, ("split", "bias")),
+}
+
+
+@pytest.fixture(scope="module")
+def deepseek_layouts(tmp_path_factory):
+    from test_parallel import VOCAB
+
+    folder = make_hf_model(tmp_path_factory.mktemp("deepseek"), "deepseek_v3", vocab_size=VOCAB)
+    out = tmp_path_factory.mktemp("deepseek_two_ranks")
+    return _one_and_two_ranks(folder, DEEPSEEK_LAYOUTS, out, bias=True)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("layout", DEEPSEEK_LAYOUTS)
+def test_deepseek_layouts_match_one_rank(deepseek_layouts, layout):
+    _assert_layout_matches(deepseek_layouts, DEEPSEEK_LAYOUTS, layout)
