@@ -4,9 +4,10 @@ of test_moe.py: what it refuses by name, and its two-rank layouts."""
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 from conftest import make_worker
-from helpers import make_batch, make_hf_model
+from helpers import hf_logprobs, make_batch, make_hf_model
 from test_moe import _assert_layout_matches, _model, _one_and_two_ranks
 
 from policyworker.model.hf_config import LatentShape, UnsupportedModelError, model_shape
@@ -38,6 +39,22 @@ def test_the_shape_reads_latent_attention_and_refuses_what_is_not_built(tmp_path
     worker = make_worker(_model(tmp_path / "fp8", "deepseek_v3"))
     with pytest.raises(ValueError, match="not supported for multi-head latent attention"):
         worker.calibrate_qkv_fp8_scales(data=make_batch(batch=2, seq=8))
+
+
+def test_a_checkpoint_with_rope_halves_loads_and_exports_exactly(tmp_path):
+    """`rope_interleave: false`: its RoPE rows are interleaved on load (megatron's MLA reads
+    pairs) and taken apart again on export."""
+    from safetensors.torch import load_file
+
+    folder = make_hf_model(tmp_path / "halves", "deepseek_v3", rope_interleave=False)
+    worker = make_worker(folder)
+    data = make_batch(batch=3, seq=12, lengths=[12, 5, 9])
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    assert (ours - hf_logprobs(folder, data)).abs().max().item() <= 1e-5
+    saved = load_file(worker.save_hf_pretrained(tmp_path / "export") / "model.safetensors")
+    original = load_file(folder / "model.safetensors")
+    assert saved.keys() == original.keys()
+    assert all(torch.equal(saved[n], original[n]) for n in original)
 
 
 DEEPSEEK_LAYOUTS = {  # latent attention's projections under TP (the down-projections gathered),

@@ -24,7 +24,6 @@ FAMILIES = {
     "mixtral": {},
     "glm4_moe": {},  # sigmoid routing + expert bias, groups, shared experts, partial RoPE
     "deepseek_v3": {},  # multi-head latent attention, RoPE rows interleaved; 4 groups
-    "deepseek_v3-rope-halves": {"rope_interleave": False},
 }
 
 

@@ -14,21 +14,15 @@ import contextlib
 import queue
 from collections.abc import Iterator
 
-SUPPORTED_MCORE_PREFIX = "0.19."
+from policyworker.compat.version import require_mcore
 
 
 @contextlib.contextmanager
 def in_process_write_results() -> Iterator[None]:
     """While planning a save: the writers it plans report through an in-process queue."""
-    import megatron.core
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    version = megatron.core.__version__
-    if not version.startswith(SUPPORTED_MCORE_PREFIX):
-        raise RuntimeError(
-            f"policyworker.compat.checkpoint targets megatron-core {SUPPORTED_MCORE_PREFIX}x, "
-            f"found {version}: re-check get_write_results_queue against that version"
-        )
+    require_mcore("checkpoint", "get_write_results_queue")
     saved = filesystem_async._results_queue
     filesystem_async._results_queue = queue.Queue()
     try:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SUPPORTED_MCORE_PREFIX = "0.19."
+from policyworker.compat.version import require_mcore
 
 # megatron modules whose `torch` global is swapped for the CPU proxy.
 _PROXIED_MODULES = (
@@ -236,14 +236,8 @@ def apply_cpu_patches() -> bool:
         return True
     if torch.cuda.is_available():
         return False
-    import megatron.core
 
-    version = megatron.core.__version__
-    if not version.startswith(SUPPORTED_MCORE_PREFIX):
-        raise RuntimeError(
-            f"policyworker.compat.cpu targets megatron-core {SUPPORTED_MCORE_PREFIX}x, "
-            f"found {version}: re-check each shim against that version"
-        )
+    require_mcore("cpu", "each shim")
     proxy = _CpuTorch()
     for name in _PROXIED_MODULES:
         module = importlib.import_module(name)

@@ -14,7 +14,8 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-SUPPORTED_MCORE_PREFIX = "0.19."
+from policyworker.compat.version import require_mcore
+
 _original: Callable[..., None] | None = None
 
 
@@ -29,16 +30,10 @@ def needs_reset(config: Any) -> bool:
 
 def install() -> None:
     """Wrap megatron's `reset_model_temporary_tensors` (idempotent)."""
-    import megatron.core
 
     module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
 
-    version = megatron.core.__version__
-    if not version.startswith(SUPPORTED_MCORE_PREFIX):
-        raise RuntimeError(
-            f"policyworker.compat.finalize targets megatron-core {SUPPORTED_MCORE_PREFIX}x, "
-            f"found {version}: re-check reset_model_temporary_tensors against that version"
-        )
+    require_mcore("finalize", "reset_model_temporary_tensors")
     global _original
     if _original is not None:
         return

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MCORE_PREFIX = "0.19."
+from policyworker.compat.version import require_mcore
+
 _installed = False
 
 
@@ -51,15 +52,9 @@ def install(duplicated: type) -> None:
     global _installed
     if _installed:
         return
-    import megatron.core
     from megatron.core.transformer import multi_latent_attention
 
-    version = megatron.core.__version__
-    if not version.startswith(SUPPORTED_MCORE_PREFIX):
-        raise RuntimeError(
-            f"policyworker.compat.mla targets megatron-core {SUPPORTED_MCORE_PREFIX}x, found "
-            f"{version}: re-check MLASelfAttention's RoPE against that version"
-        )
+    require_mcore("mla", "MLASelfAttention's RoPE")
     multi_latent_attention.apply_rotary_pos_emb = halves_only
     multi_latent_attention.RotaryEmbedding = NoFrequencies
     if multi_latent_attention.TELinear is None:  # no Transformer Engine

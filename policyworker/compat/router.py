@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED_MCORE_PREFIX = "0.19."
+from policyworker.compat.version import require_mcore
+
 _installed = False
 
 
@@ -32,14 +33,8 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    import megatron.core
     from megatron.core.transformer.moe.router import TopKRouter
 
-    version = megatron.core.__version__
-    if not version.startswith(SUPPORTED_MCORE_PREFIX):
-        raise RuntimeError(
-            f"policyworker.compat.router targets megatron-core {SUPPORTED_MCORE_PREFIX}x, found "
-            f"{version}: re-check TopKRouter._apply_expert_bias against that version"
-        )
+    require_mcore("router", "TopKRouter._apply_expert_bias")
     TopKRouter._apply_expert_bias = _apply_expert_bias
     _installed = True
