@@ -78,7 +78,7 @@ class MoEShape:
 @dataclass(frozen=True, slots=True)
 class LatentShape:
     """Multi-head latent attention (DeepSeek-V3): queries through a rank-`q_lora_rank` bottleneck
-    (0: one projection), keys and values from a rank-`kv_lora_rank` latent plus one RoPE key
+    (with its norm), keys and values from a rank-`kv_lora_rank` latent plus one RoPE key
     shared by the heads; a head's query/key is `nope_dim` features without RoPE, then `rope_dim`
     with; its value `v_dim`."""
 
@@ -214,7 +214,7 @@ def _latent_shape(hf_config: Any) -> LatentShape:
             "0.19 builds that MLA only with Transformer Engine"
         )
     return LatentShape(
-        q_lora_rank=hf_config.q_lora_rank or 0,
+        q_lora_rank=hf_config.q_lora_rank,
         kv_lora_rank=hf_config.kv_lora_rank,
         nope_dim=hf_config.qk_nope_head_dim,
         rope_dim=hf_config.qk_rope_head_dim,
