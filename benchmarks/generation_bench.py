@@ -22,6 +22,8 @@ batch size and the ratios. CPU: a smoke run with `--smoke`.
     python benchmarks/generation_bench.py [--batches 64,256] [--prompt 512] [--new 1024]
         [--engines ours,ours_triton,ours_invariant,engine,hf_static] [--profile]
         [--mismatch-sources]
+    python benchmarks/generation_bench.py --arch deepseek_v3 --engines ours,engine,hf_static
+        (moe_bench's 2.2B DeepSeek-V3-shaped model; its latent attention decodes with SDPA)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from moe_bench import ARCH_DEFAULTS, random_moe
 from train_bench import DEVICE, emit, free, profile_table, random_model, sync
 
 
@@ -213,6 +216,10 @@ def bench_hf_static(folder: Path, prompts: torch.Tensor, new: int, dtype: torch.
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--arch", default="llama", choices=["llama", "deepseek_v3", "glm4_moe"],
+        help="llama: the dense model of train_bench; else moe_bench's model of that arch",
+    )  # fmt: skip
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=128256)
@@ -234,7 +241,14 @@ def main() -> None:
         args.batches, args.prompt, args.new = "2,4", 16, 8
     precision = "bfloat16" if DEVICE == "cuda" else "float32"
     dtype = getattr(torch, precision)
-    folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
+    if args.arch == "llama":
+        folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
+    else:  # moe_bench's shape of that arch (--layers/--hidden/--vocab ignored)
+        shape = ARCH_DEFAULTS[args.arch] | {"seq": args.prompt + args.new, "arch": args.arch}
+        if args.smoke:
+            shape |= dict(layers=2, hidden=64, heads=4, kv_heads=4, head_dim=16, experts=8, topk=2)
+            shape |= dict(expert_ffn=32, vocab=1000)
+        folder, cfg, n_params = random_moe(argparse.Namespace(**shape))
     engines = args.engines.split(",")
     runs = {
         "ours": functools.partial(bench_ours, prof=args.profile, sources=args.mismatch_sources),
@@ -247,7 +261,8 @@ def main() -> None:
         "engine": bench_engine,
         "hf_static": bench_hf_static,
     }
-    shape = {k: getattr(args, k) for k in ("layers", "hidden", "vocab", "prompt", "new")}
+    shape = {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    shape |= {"arch": args.arch, "prompt": args.prompt, "new": args.new}
     row: dict[str, object] = {"bench": "generation", "device": DEVICE, "shape": shape}
     row["params"] = n_params
     if args.mismatch_sources:

@@ -1,21 +1,24 @@
 """Mixture-of-experts training and logprobs beside transformers, and grouped experts beside
 megatron's SequentialMLP, in one process on one GPU.
 
-The model is Qwen3-MoE-shaped, random, bf16 (defaults: 10 layers, hidden 2048, 32 query / 4 KV
-heads of 128, 48 experts of intermediate 768, top-8 renormalized, vocabulary 151936, untied:
-3.08B parameters; 0.88B matmul parameters active per token, the output layer's 0.31B included):
+The model is random, bf16, of `--arch`: Qwen3-MoE-shaped by default (10 layers, hidden 2048, 32
+query / 4 KV heads of 128, 48 experts of intermediate 768, top-8 renormalized, vocabulary 151936,
+untied: 3.08B parameters; 0.88B matmul parameters active per token, the output layer's 0.31B
+included); `deepseek_v3` (2.2B: latent attention, 64 routed experts in 8 groups, 4 chosen, top-6,
+1 shared, a dense first layer) and `glm4_moe` (GLM-4.5-Air-shaped, partial RoPE): ARCH_DEFAULTS.
 
 * ours:        `MegatronPolicyWorker.train(NLLLoss)` / `get_logprobs`, experts on grouped GEMMs
                (`moe.moe_grouped_gemm`, the default);
 * ours-seq:    the same worker with megatron's SequentialMLP experts (a GEMM pair per expert);
-* hf:          `Qwen3MoeForCausalLM` (attn_implementation="sdpa", experts_implementation=
+* hf:          the transformers model (attn_implementation="sdpa", experts_implementation=
                "grouped_mm"), forward with labels, backward, fused AdamW on the bf16 parameters; its
                "logprobs" a no-grad forward, log_softmax and gather.
 
 MFU counts the active parameters' matmuls (6 · active matmul params · tokens) and causal
-attention (6 · L · s · h per token) against 790 TFLOP/s. Prints one JSON line.
+attention (3 · L · s · heads · (key + value head width) per token) against 790 TFLOP/s. Prints one JSON line.
 
-    python benchmarks/moe_bench.py [--layers 10] [--experts 48] [--topk 8] [--steps 5]
+    python benchmarks/moe_bench.py [--arch qwen3_moe] [--layers 10] [--experts 48] [--steps 5]
+    python benchmarks/moe_bench.py --arch deepseek_v3 --steps 4       # fits an 80 GB card
     python benchmarks/moe_bench.py --layers 2 --hidden 64 --heads 4 --kv-heads 2 --head-dim 16 \\
         --experts 8 --topk 2 --expert-ffn 32 --vocab 128 --seq 32 --batch 2 --steps 1   # CPU smoke
     add --profile for an op table of one train step of ours and of transformers, the device's
@@ -42,43 +45,91 @@ from train_bench import (
     timed,
 )
 
+# Each architecture's defaults for the shape arguments (None on the command line: these).
+ARCH_DEFAULTS: dict[str, dict[str, int]] = {
+    "qwen3_moe": dict(
+        layers=10, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=48, topk=8,
+        expert_ffn=768, vocab=151936,
+    ),
+    # DeepSeek-V3's layout at 2.2B: latent attention (q latent 768, kv latent 512, a 64-wide
+    # rope head beside the 128-wide one), 64 routed experts in 8 groups (4 chosen) + 1 shared,
+    # top-6, sigmoid scores with the expert bias, a dense first layer
+    "deepseek_v3": dict(
+        layers=6, hidden=2048, heads=16, kv_heads=16, head_dim=128, experts=64, topk=6,
+        expert_ffn=768, vocab=129280,
+    ),
+    # GLM-4.5-Air's layout at 2.2B: RoPE on half of each head, 1 shared expert, top-8 sigmoid
+    "glm4_moe": dict(
+        layers=6, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=64, topk=8,
+        expert_ffn=768, vocab=151552,
+    ),
+}  # fmt: skip
+
 
 def moe_config(args: argparse.Namespace):
-    from transformers import Qwen3MoeConfig
+    """The transformers config of `args.arch` with the shape arguments."""
+    import transformers
 
-    return Qwen3MoeConfig(
+    common = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
-        intermediate_size=4 * args.expert_ffn,  # dense layers (none here)
-        moe_intermediate_size=args.expert_ffn,
         num_hidden_layers=args.layers,
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        num_experts=args.experts,
         num_experts_per_tok=args.topk,
+        moe_intermediate_size=args.expert_ffn,
+        intermediate_size=4 * args.expert_ffn,  # the dense layers'
         norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
         max_position_embeddings=max(4096, args.seq),
         tie_word_embeddings=False,
     )
+    if args.arch == "qwen3_moe":
+        extra = dict(head_dim=args.head_dim, num_experts=args.experts, mlp_only_layers=[])
+        return transformers.Qwen3MoeConfig(**common, **extra, decoder_sparse_step=1)
+    deepseek_routing = dict(
+        n_routed_experts=args.experts, n_shared_experts=1, first_k_dense_replace=1
+    )
+    if args.arch == "glm4_moe":
+        extra = dict(head_dim=args.head_dim, partial_rotary_factor=0.5, n_group=1, topk_group=1)
+        return transformers.Glm4MoeConfig(**common, **deepseek_routing, **extra)
+    groups = max(1, min(8, args.experts // 8))  # 8 groups of 8 at 64 experts, 4 chosen
+    latent = dict(
+        q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=args.head_dim,
+        qk_rope_head_dim=args.head_dim // 2, v_head_dim=args.head_dim, n_group=groups,
+        topk_group=max(1, groups // 2), routed_scaling_factor=2.5, rope_scaling=None,
+    )  # fmt: skip
+    return transformers.DeepseekV3Config(**common, **deepseek_routing, **latent)
 
 
 def random_moe(args: argparse.Namespace) -> tuple[Path, object, int]:
-    from transformers import Qwen3MoeForCausalLM
+    import transformers
 
-    return save_random(Qwen3MoeForCausalLM, moe_config(args), "bench-moe-")
+    names = {"qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe"}
+    model_cls = getattr(transformers, f"{names[args.arch]}ForCausalLM")
+    return save_random(model_cls, moe_config(args), f"bench-{args.arch}-")
 
 
-def active_flops(cfg, tokens: int, seq: int) -> tuple[float, int]:
-    """(flops of a train step on the active parameters, active matmul parameters)."""
-    h, L, v = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attention = h * q + 2 * h * kv + q * h
-    experts = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
-    active = L * (attention + experts + h * cfg.num_experts) + v * h
-    return 6 * active * tokens + 6 * L * seq * q * tokens, active
+def active_flops(folder: Path, cfg, tokens: int, seq: int) -> tuple[float, int]:
+    """(flops of a train step on the active parameters, active matmul parameters), read off
+    the saved checkpoint's tensors: every matrix but the embedding, an expert's at top-k /
+    experts; and causal attention, 3 · L · s · heads · (key + value head width) per token."""
+    from safetensors import safe_open
+
+    experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    active = 0.0
+    for file in folder.glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shape = f.get_slice(name).get_shape()
+                if len(shape) < 2 or "embed_tokens" in name:
+                    continue
+                n = float(torch.Size(shape).numel())
+                active += n * cfg.num_experts_per_tok / experts if ".experts." in name else n
+    key_width = getattr(cfg, "qk_head_dim", None) or cfg.head_dim
+    value_width = getattr(cfg, "v_head_dim", None) or cfg.head_dim
+    heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    attention = 3 * layers * seq * heads * (key_width + value_width) * tokens
+    return 6 * active * tokens + attention, int(active)
 
 
 def bench_ours(
@@ -144,18 +195,20 @@ def bench_hf(folder: Path, ids: torch.Tensor, steps: int, prof: bool = False) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (
-        ("layers", 10), ("hidden", 2048), ("heads", 32), ("kv-heads", 4), ("head-dim", 128),
-        ("experts", 48), ("topk", 8), ("expert-ffn", 768), ("vocab", 151936),
-        ("seq", 2048), ("batch", 4), ("steps", 5),
-    ):  # fmt: skip
+    ap.add_argument("--arch", choices=sorted(ARCH_DEFAULTS), default="qwen3_moe")
+    for name in ARCH_DEFAULTS["qwen3_moe"]:
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
+    for name, default in (("seq", 2048), ("batch", 4), ("steps", 5)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--out", default=None, help="also write the JSON line here")
     ap.add_argument("--profile", action="store_true", help="op tables of a train step (stderr)")
     args = ap.parse_args()
+    for name, default in ARCH_DEFAULTS[args.arch].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     folder, cfg, n_params = random_moe(args)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=DEVICE)
-    flops, active = active_flops(cfg, args.batch * args.seq, args.seq)
+    flops, active = active_flops(folder, cfg, args.batch * args.seq, args.seq)
     ours = bench_ours(folder, ids, args.steps, grouped=True, prof=args.profile)
     free()
     sequential = bench_ours(folder, ids, args.steps, grouped=False)

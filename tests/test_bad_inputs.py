@@ -182,7 +182,7 @@ def test_unsupported_architecture_lists_supported(tmp_path):
     [
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic'"),
     ],
 )
 def test_unsupported_model_options(tmp_path, overrides, match):

@@ -10,6 +10,7 @@ from conftest import make_worker
 from helpers import hf_logprobs, make_batch, make_hf_model
 from test_moe import _assert_layout_matches, _model, _one_and_two_ranks
 
+from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.model.hf_config import LatentShape, UnsupportedModelError, model_shape
 from policyworker.model.router_rules import Sigmoid
 
@@ -31,9 +32,9 @@ def test_the_shape_reads_latent_attention_and_refuses_what_is_not_built(tmp_path
     no_q_latent.architectures = ["DeepseekV3ForCausalLM"]
     with pytest.raises(UnsupportedModelError, match="q_lora_rank=None"):
         model_shape(no_q_latent)
-    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=1e4)
-    with pytest.raises(UnsupportedModelError, match="rope_type 'yarn'"):
-        make_worker(make_hf_model(tmp_path / "yarn", "deepseek_v3", rope_parameters=yarn))
+    dynamic = dict(rope_type="dynamic", factor=4.0, rope_theta=1e4)
+    with pytest.raises(UnsupportedModelError, match="rope_type 'dynamic'"):
+        make_worker(make_hf_model(tmp_path / "dynamic", "deepseek_v3", rope_parameters=dynamic))
     with pytest.raises(ValueError, match="batch_invariant: not supported yet"):
         make_worker(_model(tmp_path / "inv", "deepseek_v3"), batch_invariant=True)
     worker = make_worker(_model(tmp_path / "fp8", "deepseek_v3"))
@@ -55,6 +56,36 @@ def test_a_checkpoint_with_rope_halves_loads_and_exports_exactly(tmp_path):
     original = load_file(folder / "model.safetensors")
     assert saved.keys() == original.keys()
     assert all(torch.equal(saved[n], original[n]) for n in original)
+
+
+# DeepSeek-V3's and Kimi-K2's long-context RoPE: YaRN frequencies, cos/sin scaled by
+# mscale / mscale_all_dim's ratio, and the softmax by mscale_all_dim's mscale squared
+YARN = dict(
+    rope_type="yarn", factor=4.0, original_max_position_embeddings=32, rope_theta=1e4,
+    mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1,
+)  # fmt: skip
+
+
+def test_yarn_logprobs_and_generation_equal_transformers(tmp_path):
+    folder = make_hf_model(tmp_path / "yarn", "deepseek_v3", rope_parameters=YARN)
+    shape = model_shape(transformers.AutoConfig.from_pretrained(folder))
+    assert shape.latent is not None and shape.latent.mscale == (4.0, 0.8)
+    worker = make_worker(folder, generation={"max_new_tokens": 6, "stop_token_ids": []})
+    data = make_batch(batch=3, seq=40, lengths=[40, 17, 29])
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    assert (ours - hf_logprobs(folder, data)).abs().max().item() <= 1e-5
+    prompts = make_batch(batch=2, seq=30, lengths=[30, 21])
+    out = worker.generate(data=prompts, greedy=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():  # the first prompt's greedy continuation, by transformers
+        drawn = hf.generate(
+            prompts["input_ids"][:1], max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(out["output_ids"][0, :36], drawn[0])
+    rows = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
+    scored = worker.get_logprobs(data=BatchedDataDict(rows))["logprobs"]
+    assert (scored - out["logprobs"])[0, 30:36].abs().max() <= 1e-5  # the decode's RoPE too
 
 
 DEEPSEEK_LAYOUTS = {  # latent attention's projections under TP (the down-projections gathered),

@@ -14,6 +14,13 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 16,
 }
 
+YARN_ROPE = {  # Qwen3's long-context recipe: cos/sin scaled by 0.1 ln(factor) + 1
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 1e6,
+}
+
 CASES = {
     "llama": ("llama", {}),
     "llama-tied-llama3-rope": (
@@ -23,6 +30,7 @@ CASES = {
     "llama-mha": ("llama", {"num_key_value_heads": 4}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
+    "qwen3-yarn": ("qwen3", {"rope_scaling": YARN_ROPE}),
     "mistral": ("mistral", {"rope_theta": 1e6}),
 }
 

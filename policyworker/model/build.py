@@ -48,10 +48,11 @@ from policyworker.config import MoEConfig, RecomputeConfig
 from policyworker.model.attention.core import CoreAttention
 from policyworker.model.chunked_mlp import ChunkedMLP
 from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
-from policyworker.model.hf_config import LatentShape, ModelShape, MoEShape, rope_inv_freq
+from policyworker.model.hf_config import LatentShape, ModelShape, MoEShape
 from policyworker.model.latent import DuplicatedLinear, LatentNorm
 from policyworker.model.norm import RMSNorm
 from policyworker.model.paths import ForwardPaths
+from policyworker.model.rope_scaling import rope_frequencies
 from policyworker.ops.logprobs import Head
 from policyworker.parallel.dims import ParallelDims
 
@@ -124,6 +125,9 @@ def latent_fields(latent: LatentShape | None) -> dict[str, Any]:
         qk_pos_emb_head_dim=latent.rope_dim,
         v_head_dim=latent.v_dim,
         rope_type="rope",
+        # megatron's MLA scales its softmax by YaRN's mscale from these two (its RoPE: ours)
+        rotary_scaling_factor=latent.mscale[0],
+        mscale_all_dim=latent.mscale[1],
     )
 
 
@@ -294,10 +298,9 @@ def build_gpt_model(
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="none",  # RoPE is applied in our core attention
     )
-    # HF's frequencies (incl. llama3 scaling with its own low/high factors), not megatron's.
-    inv_freq = rope_inv_freq(hf_config, shape.rotary_dim or shape.head_dim)
-    inv_freq = inv_freq.to("cuda" if on_gpu else "cpu")
-    paths.install(model, inv_freq, mlp_chunk_tokens)
+    # HF's frequencies (llama3's and YaRN's scaling included), not megatron's.
+    rope = rope_frequencies(hf_config, shape.rotary_dim or shape.head_dim)
+    paths.install(model, rope, torch.device("cuda" if on_gpu else "cpu"), mlp_chunk_tokens)
     for name, param in model.named_parameters():  # before DDP and the optimizer see them
         if moe.freeze_moe_router and name.endswith(".mlp.router.weight"):
             param.requires_grad_(False)

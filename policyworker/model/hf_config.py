@@ -1,4 +1,4 @@
-"""Hugging Face config -> what megatron needs: the architecture table and RoPE frequencies.
+"""Hugging Face config -> what megatron needs: the architecture table and the model's shape.
 
 One row per supported `architectures[0]`. Adding a dense decoder is a row here plus, if its
 weight names differ, a row in `weights.py`; a mixture-of-experts decoder also reads its experts'
@@ -7,20 +7,15 @@ dimensions in `_moe_shape`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from policyworker.config import MoEConfig, ParallelConfig, RecomputeConfig
+from policyworker.model.errors import UnsupportedModelError
+from policyworker.model.rope_scaling import rope_parameters, rope_type, softmax_mscale
 from policyworker.model.router_rules import RouterRule, Sigmoid, Softmax
 from policyworker.ops.packed import round_up
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture or one of its options is not supported."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +85,8 @@ class LatentShape:
     interleaved: bool
     """HF's `rope_interleave`: the checkpoint's RoPE features are in interleaved pairs, as
     megatron's MLA reads them (false: halves, permuted on load and back on export)."""
+    mscale: tuple[float, float] = (1.0, 0.0)
+    """YaRN's (factor, mscale_all_dim), which scale the softmax (`rope_scaling.softmax_mscale`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +173,7 @@ def model_shape(hf_config: Any) -> ModelShape:
     # together with biases on every MLP linear.
     if getattr(hf_config, "attention_bias", False) and name not in CONFIGURED_ATTENTION:
         raise UnsupportedModelError(f"{name} with attention_bias=True is not supported")
+    rope_type(hf_config)  # refused here by name unless supported
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -220,6 +218,7 @@ def _latent_shape(hf_config: Any) -> LatentShape:
         rope_dim=hf_config.qk_rope_head_dim,
         v_dim=hf_config.v_head_dim,
         interleaved=bool(getattr(hf_config, "rope_interleave", True)),
+        mscale=softmax_mscale(hf_config),
     )
 
 
@@ -307,47 +306,6 @@ def check_sliding_window(hf_config: Any, max_seq_len: int) -> None:
             f"sliding_window={window} is smaller than max_total_sequence_length={max_seq_len}; "
             "sliding-window attention is not supported"
         )
-
-
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """RoPE settings as transformers >= 5 spells them (`rope_parameters`), also from 4.x configs."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    scaling["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    return scaling
-
-
-def rope_inv_freq(hf_config: Any, head_dim: int) -> torch.Tensor:
-    """Inverse RoPE frequencies [head_dim/2], fp32, for the 'default' and 'llama3' rope types
-    (`head_dim`: the features rotated, `ModelShape.rotary_dim` where RoPE is partial)."""
-    params = rope_parameters(hf_config)
-    rope_type = params.get("rope_type", "default")
-    base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "llama3":
-        return _llama3_scaling(inv_freq, params)
-    raise UnsupportedModelError(
-        f"rope_type {rope_type!r} is not supported; supported: 'default', 'llama3'"
-    )
-
-
-def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent interpolation: long wavelengths slowed by `factor`."""
-    factor = float(params["factor"])
-    low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-    old_len = float(params["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 def check_layout(

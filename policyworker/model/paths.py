@@ -37,6 +37,7 @@ from policyworker.model.attention.layout import Kernels
 from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
+from policyworker.model.rope_scaling import RopeFrequencies
 from policyworker.ops.compiled import triton_on
 
 
@@ -76,14 +77,21 @@ class ForwardPaths:
         runs them whole."""
 
     def install(
-        self, model: torch.nn.Module, inv_freq: torch.Tensor, mlp_chunk_tokens: int | None
+        self,
+        model: torch.nn.Module,
+        rope: RopeFrequencies,
+        device: torch.device,
+        mlp_chunk_tokens: int | None,
     ) -> None:
-        """Every core attention of `model` runs this object's phases, with RoPE at `inv_freq`;
-        its dense MLPs run `mlp_chunk_tokens` tokens at a time while scoring or generating."""
-        self.rotary.inv_freq = inv_freq
+        """Every core attention of `model` runs this object's phases, with RoPE at `rope`'s
+        frequencies (on `device`); its dense MLPs run `mlp_chunk_tokens` tokens at a time while
+        scoring or generating."""
+        inv_freq = rope.inv_freq.to(device)
+        self.rotary.set_frequencies(inv_freq, rope.attention_factor)
         for module in model.modules():
-            if isinstance(module, CoreAttention):
-                module.rotary.inv_freq, module.rotary.rotate = inv_freq, self.rotary.rotate
+            if isinstance(module, CoreAttention):  # a Rotary each: its own hooks (FP8 scales)
+                module.rotary.set_frequencies(inv_freq, rope.attention_factor)
+                module.rotary.rotate = self.rotary.rotate
                 module.switch = self.switch
             elif isinstance(module, ChunkedMLP):
                 self.mlps.append(module)

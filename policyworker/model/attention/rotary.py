@@ -53,7 +53,12 @@ class Rotary(torch.nn.Module):
     def __init__(self, rotate: Rotate = rope_ops.reference) -> None:
         super().__init__()
         self.inv_freq: torch.Tensor | None = None  # not a buffer: no checkpoint or phase state
+        self.attention_factor = 1.0
         self.rotate = rotate
+
+    def set_frequencies(self, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> None:
+        """RoPE at `inv_freq`, cos and sin scaled by `attention_factor` (YaRN's; else 1)."""
+        self.inv_freq, self.attention_factor = inv_freq, attention_factor
 
     def forward(
         self,
@@ -82,4 +87,7 @@ class Rotary(torch.nn.Module):
             raise RuntimeError("attention: set_rope() was not called")
         freqs = positions.unsqueeze(-1).float() * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # YaRN: scaled in fp32, before the cast, as in HF
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
