@@ -110,8 +110,11 @@ def layout_results(
         out["qkv_scales"] = worker.calibrate_qkv_fp8_scales(
             data=data, micro_batch_size=2, percentile=100.0, include_q=True
         )
-    # One step of each other loss (their gradients show in grad_norm), in a fixed order.
-    out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
+    # One step of each other loss (their gradients show in grad_norm), in a fixed order: on the
+    # dense layouts (a loss reads logprobs and logits, which the MoE layouts already check;
+    # MoE adds its aux losses to every loss alike)
+    if worker.shape.moe is None:
+        out["train"] += [train(worker, data, loss, 2, split) for loss in OTHER_LOSSES]
     out["train"] += full_distillation_steps(worker, data, split)
     # the reference swapped in and out right after a step (with overlapped gathers: the live
     # weights it saves and restores must be whole)
