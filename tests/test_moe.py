@@ -24,6 +24,8 @@ FAMILIES = {
     "mixtral": {},
     "glm4_moe": {},  # sigmoid routing + expert bias, groups, shared experts, partial RoPE
     "deepseek_v3": {},  # multi-head latent attention, RoPE rows interleaved; 4 groups
+    # Moonlight's and DeepSeek-V2-Lite's latent attention: one query projection, no query latent
+    "deepseek_v3-no-query-latent": {"q_lora_rank": None},
 }
 
 

@@ -11,7 +11,10 @@ frequencies are made (`NoFrequencies`: megatron's would also read its CP split o
 device). And it is given our whole-on-every-rank down-projection where it asks for Transformer
 Engine's (`TELinear` with `parallel_mode="duplicated"`): its local alternative,
 ColumnParallelLinear, leaves the RoPE key's gradient short under TP (`model/latent.py`).
-Installed before a model with latent attention is built; idempotent.
+Without a query latent (`q_lora_rank: null`: Moonlight, DeepSeek-V2-Lite) its spec resolver asks
+for Transformer Engine's fused norm+linear as the query projection, though that query has no norm
+(`QKNormConfigResolver._mla_fused_linear_or_default`): the spec's own `linear_q_proj` is taken
+(`plain_query_projection`). Installed before a model with latent attention is built; idempotent.
 """
 
 from __future__ import annotations
@@ -47,14 +50,29 @@ class NoFrequencies(torch.nn.Module):
         return torch.empty(0)
 
 
+def plain_query_projection(original: Any) -> Any:
+    """The resolver's choice for a fused projection, but a spec's `linear_q_proj` as given."""
+
+    def resolve(self: Any, module_spec: Any, module_name: str) -> Any:
+        if module_name == "linear_q_proj" and module_spec is not None:
+            return module_spec
+        return original(self, module_spec, module_name)
+
+    return resolve
+
+
 def install(duplicated: type) -> None:
     """`duplicated`: the down-projection class (`model.latent.DuplicatedLinear`)."""
     global _installed
     if _installed:
         return
-    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer import mla_qk_norm_config, multi_latent_attention
 
-    require_mcore("mla", "MLASelfAttention's RoPE")
+    require_mcore("mla", "MLASelfAttention's RoPE and QKNormConfigResolver")
+    resolver = mla_qk_norm_config.QKNormConfigResolver
+    resolver._mla_fused_linear_or_default = plain_query_projection(
+        resolver._mla_fused_linear_or_default
+    )
     multi_latent_attention.apply_rotary_pos_emb = halves_only
     multi_latent_attention.RotaryEmbedding = NoFrequencies
     if multi_latent_attention.TELinear is None:  # no Transformer Engine

@@ -119,7 +119,7 @@ def latent_fields(latent: LatentShape | None) -> dict[str, Any]:
         return {}
     return dict(
         multi_latent_attention=True,
-        q_lora_rank=latent.q_lora_rank,
+        q_lora_rank=latent.q_lora_rank or None,
         kv_lora_rank=latent.kv_lora_rank,
         qk_head_dim=latent.nope_dim,
         qk_pos_emb_head_dim=latent.rope_dim,
@@ -212,7 +212,7 @@ def _attention(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
                 linear_kv_up_proj=ColumnParallelLinear,
                 core_attention=CoreAttention,
                 linear_proj=RowParallelLinear,
-                q_layernorm=LatentNorm,
+                q_layernorm=LatentNorm if latent.q_lora_rank else IdentityOp,
                 kv_layernorm=LatentNorm,
             ),
         )

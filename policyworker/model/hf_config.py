@@ -73,7 +73,7 @@ class MoEShape:
 @dataclass(frozen=True, slots=True)
 class LatentShape:
     """Multi-head latent attention (DeepSeek-V3): queries through a rank-`q_lora_rank` bottleneck
-    (with its norm), keys and values from a rank-`kv_lora_rank` latent plus one RoPE key
+    with its norm (0: one projection, no norm: Moonlight, DeepSeek-V2-Lite), keys and values from a rank-`kv_lora_rank` latent plus one RoPE key
     shared by the heads; a head's query/key is `nope_dim` features without RoPE, then `rope_dim`
     with; its value `v_dim`."""
 
@@ -206,13 +206,8 @@ def model_shape(hf_config: Any) -> ModelShape:
 def _latent_shape(hf_config: Any) -> LatentShape:
     if getattr(hf_config, "attention_bias", False):
         raise UnsupportedModelError("DeepSeek-V3 with attention_bias=True is not supported")
-    if not hf_config.q_lora_rank:  # its resolver wants TE's fused norm+linear for linear_q_proj
-        raise UnsupportedModelError(
-            "q_lora_rank=None (Moonlight, DeepSeek-V2-Lite) is not supported yet: megatron-core "
-            "0.19 builds that MLA only with Transformer Engine"
-        )
     return LatentShape(
-        q_lora_rank=hf_config.q_lora_rank,
+        q_lora_rank=hf_config.q_lora_rank or 0,
         kv_lora_rank=hf_config.kv_lora_rank,
         nope_dim=hf_config.qk_nope_head_dim,
         rope_dim=hf_config.qk_rope_head_dim,

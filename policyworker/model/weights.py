@@ -33,12 +33,14 @@ def _latent_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:
     head, a = lat.nope_dim + lat.rope_dim, m + "self_attention."
     rope = Copy if lat.interleaved else RopeRows  # interleaved: what megatron's MLA reads
     up = {} if lat.interleaved else dict(block=head, start=lat.nope_dim, dim=lat.rope_dim)
-    # a query latent always: `model_shape` refuses `q_lora_rank: null` (one q_proj)
-    out: list[Mapping] = [
-        Copy(a + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), None),
-        Copy(a + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), None),
-        rope(a + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), 0, **up),
-    ]
+    if lat.q_lora_rank:
+        out: list[Mapping] = [
+            Copy(a + "linear_q_down_proj.weight", (attn + "q_a_proj.weight",), None),
+            Copy(a + "q_layernorm.weight", (attn + "q_a_layernorm.weight",), None),
+            rope(a + "linear_q_up_proj.weight", (attn + "q_b_proj.weight",), 0, **up),
+        ]
+    else:  # `q_lora_rank: null`: one projection, no norm
+        out = [rope(a + "linear_q_proj.weight", (attn + "q_proj.weight",), 0, **up)]
     kv_rows = lat.kv_lora_rank + lat.rope_dim
     down = {} if lat.interleaved else dict(block=kv_rows, start=lat.kv_lora_rank, dim=lat.rope_dim)
     out += [
