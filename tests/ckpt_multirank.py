@@ -89,6 +89,8 @@ def run_job(job: dict) -> None:
         distopt="distopt" in flags,
         overlap="overlap" in flags,
         ep=2 if "ep" in flags else 1,
+        sp="sp" in flags,
+        bias="bias" in flags,
     )
     ckpt = Path(job["ckpt"])
     if job["mode"] == "save":

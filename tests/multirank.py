@@ -2,7 +2,7 @@
 turn (megatron's groups are set up anew for each); rank 0 saves them.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/multirank.py MODEL OUTDIR \
-        NAME:TP:PP[:flag,flag...] ...
+        NAME:TP:PP[:flag,flag...[:MODEL]] ...   (a layout's own MODEL in place of the launch's)
         (flags: pack, distopt, sp, cp, split; overlap: overlapped grad reduce and param gather
         (with distopt); ep: EP2, etp: expert TP = TP, allgather: that
         token dispatcher; recompute / selrecompute: full / selective activation recompute;
@@ -337,10 +337,11 @@ def between_runs() -> None:
 
 
 def main() -> None:
-    model, out = sys.argv[1], Path(sys.argv[2])
+    launch_model, out = sys.argv[1], Path(sys.argv[2])
     for spec in sys.argv[3:]:
-        name, tp, pp, *rest = spec.split(":")
+        name, tp, pp, *rest = spec.split(":", 4)
         flags = rest[0].split(",") if rest and rest[0] else []
+        model = rest[1] if len(rest) > 1 else launch_model  # a layout's own model
         run_layout(model, out / f"{name}.pt", int(tp), int(pp), flags)
         between_runs()
     dist.destroy_process_group()

@@ -88,10 +88,11 @@ def test_yarn_logprobs_and_generation_equal_transformers(tmp_path):
 
 
 DEEPSEEK_LAYOUTS = {  # latent attention's projections under TP (the down-projections gathered),
-    # its RoPE at the layout's positions under CP and packing, PP; the routing as GLM-4.5's
+    # its RoPE at the layout's positions under CP and packing; the routing as GLM-4.5's. PP2
+    # splits the layers whole, which attention does not meet: GLM-4.5's PP2 (a dense stage
+    # and an MoE one) is the families' (test_glm.py); EP2 x TP2 in test_moe.FAMILY_FOUR_RANKS
     "tp2-sequence-parallel-packed-seq-aux-loss": (2, 1, ("sp", "pack", "seqaux", "bias")),
     "cp2-packed-chunked-replay": (1, 1, ("cp", "pack", "chunk", "replay", "bias")),
-    "pp2-split-step": (1, 2, ("split", "bias")),
 }
 
 

@@ -418,14 +418,39 @@ MOE_FOUR_RANKS = {  # expert parallel beside TP, DP and PP
 }
 
 
+# The families' own attention and routers (test_glm.py, test_deepseek.py) beside EP2 x TP2 +
+# SP, in the same launch: GLM-4.5's partial RoPE and q/k/v biases, DeepSeek-V3's latent
+# attention without a query latent (its down-projection whole on every TP rank, its one query
+# projection split by heads; with a query latent under TP2: test_deepseek.py); sigmoid routers
+# moving their bias. Each layout's FAMILIES case is the longest one its name starts with.
+FAMILY_FOUR_RANKS = {
+    "glm4_moe-ep2-tp2-sequence-parallel-packed": (2, 1, ("sp", "ep", "pack", "bias")),
+    "deepseek_v3-no-query-latent-ep2-tp2-sequence-parallel": (2, 1, ("sp", "ep", "bias")),
+}
+
+
 @pytest.fixture(scope="module")
 def moe_four_ranks(moe_layouts, tmp_path_factory):
-    from test_parallel import launch
+    """Qwen2-MoE on every layout of MOE_FOUR_RANKS and GLM-4.5 / DeepSeek-V3 on theirs (one
+    launch); each family's one-rank results."""
+    from multirank import config, fixed_batch, layout_results
+    from test_parallel import VOCAB, launch
+
+    from policyworker.worker import MegatronPolicyWorker
 
     folder, single, _ = moe_layouts
     out = tmp_path_factory.mktemp("moe_four_ranks")
-    launch(folder, out, MOE_FOUR_RANKS, nproc=4)
-    return folder, single, out
+    families = {}
+    for layout in FAMILY_FOUR_RANKS:
+        case = max((c for c in FAMILIES if layout.startswith(c + "-")), key=len)
+        own = make_hf_model(
+            tmp_path_factory.mktemp(case), case.split("-")[0], vocab_size=VOCAB, **FAMILIES[case]
+        )
+        worker = MegatronPolicyWorker(config(str(own), tp=1, pp=1, bias=True))
+        families[layout] = own, {(False, False): layout_results(worker, fixed_batch(VOCAB))}
+    models = {name: own for name, (own, _) in families.items()}
+    launch(folder, out, MOE_FOUR_RANKS | FAMILY_FOUR_RANKS, nproc=4, models=models)
+    return (folder, single, out), {name: (*got, out) for name, got in families.items()}
 
 
 @pytest.mark.processes
@@ -433,7 +458,13 @@ def moe_four_ranks(moe_layouts, tmp_path_factory):
 def test_moe_expert_parallel_layouts_on_four_ranks_match_one_rank(moe_four_ranks, layout):
     """The same results with EP2 beside TP2 (experts whole, or split over expert TP), within
     four data-parallel ranks (two copies of each expert) and with two pipeline stages."""
-    _assert_layout_matches(moe_four_ranks, MOE_FOUR_RANKS, layout)
+    _assert_layout_matches(moe_four_ranks[0], MOE_FOUR_RANKS, layout)
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("layout", FAMILY_FOUR_RANKS)
+def test_the_families_on_ep2_by_tp2_match_one_rank(moe_four_ranks, layout):
+    _assert_layout_matches(moe_four_ranks[1][layout], FAMILY_FOUR_RANKS, layout)
 
 
 def _assert_layout_matches(results, layouts, layout) -> None:
@@ -519,7 +550,9 @@ def test_layouts_an_moe_model_cannot_take_are_refused(tmp_path):
 def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_path):
     """EP2 (each rank four of the eight experts, their Adam state its own): save, and a fresh
     EP2 run resumes bit for bit; one rank (EP1) loads the same checkpoint and continues within
-    1e-5; an EP1 checkpoint loads into EP2 the same way."""
+    1e-5; an EP1 checkpoint loads into EP2 the same way. The same for GLM-4.5 under EP2 and
+    DeepSeek-V3 under TP2 + SP (latent attention's whole-on-every-rank down-projections), their
+    expert bias moving every step (in the same two launches)."""
     from ckpt_multirank import paths, run_resume, run_save
     from multirank import config
     from test_checkpoint import _assert_bitwise, _assert_close, save_then_resume
@@ -530,17 +563,29 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_p
     cfg = config(str(folder), tp=1, pp=1)
     one = tmp_path / "one"
     saved_one = run_save(MegatronPolicyWorker(cfg), one)
+    families = {  # job -> (model, its one-rank config)
+        "ep2": (folder, cfg),
+        "glm4_moe-ep2": (make_hf_model(tmp_path / "glm", "glm4_moe", vocab_size=101), None),
+        "deepseek_v3-tp2": (make_hf_model(tmp_path / "ds", "deepseek_v3", vocab_size=101), None),
+    }
     jobs = {
         "ep2": {"model": folder, "tp": 1, "pp": 1, "flags": ["ep"]},
         "one-into-ep2": {"model": folder, "tp": 1, "pp": 1, "flags": ["ep"], "ckpt": one},
+        "glm4_moe-ep2": {"model": families["glm4_moe-ep2"][0], "tp": 1, "pp": 1},
+        "deepseek_v3-tp2": {"model": families["deepseek_v3-tp2"][0], "tp": 2, "pp": 1},
     }
+    jobs["glm4_moe-ep2"]["flags"] = ["ep", "bias"]
+    jobs["deepseek_v3-tp2"]["flags"] = ["sp", "bias"]
     runs = save_then_resume(jobs, tmp_path)
-    saved, resumed = runs["ep2"]["save"], runs["ep2"]["resume"]
-    _assert_bitwise(saved, resumed)
-    _assert_bitwise(saved, {"lp_at_save": resumed["lp_at_save"], **resumed["async"]})
     _assert_close(saved_one, runs["one-into-ep2"]["resume"])
-
-    weights, optim = paths(tmp_path / "ep2", "sync")
-    single = MegatronPolicyWorker(cfg, weights_path=str(weights), optimizer_path=str(optim))
-    _assert_close(saved, run_resume(single, tmp_path / "ep2"))
-    single.shutdown()
+    for name, (model, one_rank) in families.items():
+        saved, resumed = runs[name]["save"], runs[name]["resume"]
+        _assert_bitwise(saved, resumed)
+        _assert_bitwise(saved, {"lp_at_save": resumed["lp_at_save"], **resumed["async"]})
+        weights, optim = paths(tmp_path / name, "sync")
+        one_rank = one_rank or config(str(model), tp=1, pp=1, bias=True)
+        single = MegatronPolicyWorker(
+            one_rank, weights_path=str(weights), optimizer_path=str(optim)
+        )
+        _assert_close(saved, run_resume(single, tmp_path / name))
+        single.shutdown()

@@ -53,10 +53,19 @@ def single(tied_dir: Path) -> dict[str, object]:
 
 
 def launch(
-    folder: Path, out: Path, layouts: dict[str, tuple[int, int, tuple[str, ...]]], nproc: int
+    folder: Path,
+    out: Path,
+    layouts: dict[str, tuple[int, int, tuple[str, ...]]],
+    nproc: int,
+    models: dict[str, Path] | None = None,
 ) -> None:
-    """Every layout of `layouts` in one torchrun launch of `nproc` ranks (multirank.py)."""
-    specs = [f"{name}:{tp}:{pp}:{','.join(flags)}" for name, (tp, pp, flags) in layouts.items()]
+    """Every layout of `layouts` in one torchrun launch of `nproc` ranks (multirank.py), of
+    `folder`'s model or, for a layout named in `models`, that one."""
+    models = models or {}
+    specs = [
+        f"{name}:{tp}:{pp}:{','.join(flags)}" + (f":{models[name]}" if name in models else "")
+        for name, (tp, pp, flags) in layouts.items()
+    ]
     script = Path(__file__).parent / "multirank.py"
     torchrun(script, folder, out, *specs, nproc=nproc, timeout_s=1200)
 
