@@ -222,8 +222,11 @@ def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
     [
         ("qwen3_moe", "ipc", (1, 2, 1), (1, 1, 1)),
         ("mixtral", "collective", (1, 2, 1), (1, 1, 1)),
-        ("qwen2_moe", "reshard", (1, 2, 1), (2, 1, 1)),
+        # GLM-4.5: shared experts, a dense first layer and the expert bias beside the experts
+        ("glm4_moe", "reshard", (1, 2, 1), (2, 1, 1)),
         ("mixtral", "reshard", (2, 1, 2), (1, 2, 1)),
+        # latent attention's TP2 shards (and its whole down-projections) into one rank
+        ("deepseek_v3", "reshard", (2, 1, 1), (1, 1, 1)),
     ],
 )
 def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer, receiver):
@@ -256,8 +259,10 @@ def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer,
 
 @pytest.mark.processes
 def test_the_demo_trains_an_moe_model(tmp_path):
-    """The main job on a user's Qwen3-MoE folder: SFT and GRPO steps through the driver, each
-    GRPO step refitting transformers' engine (its fused experts written per expert)."""
+    """The main job on a user's DeepSeek-V3 folder (latent attention, sigmoid routers with the
+    expert bias, shared experts, a dense first layer: the most distinct family; the demo's code
+    is the same for every family): SFT and GRPO steps through the driver, each GRPO step
+    refitting transformers' engine (its fused experts written per expert)."""
     import json
 
     from policyworker.cli import main
@@ -265,7 +270,7 @@ def test_the_demo_trains_an_moe_model(tmp_path):
 
     tokenizer = char_tokenizer()
     folder = make_hf_model(
-        tmp_path / "moe", "qwen3_moe", vocab_size=len(tokenizer), max_position_embeddings=64
+        tmp_path / "moe", "deepseek_v3", vocab_size=len(tokenizer), max_position_embeddings=64
     )
     tokenizer.save_pretrained(folder)
     data = tmp_path / "tasks.jsonl"
