@@ -57,6 +57,45 @@ def test_a_checkpoint_with_rope_halves_loads_and_exports_exactly(tmp_path):
     assert all(torch.equal(saved[n], original[n]) for n in original)
 
 
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v3-no-query-latent"])
+def test_generation_caches_latents_and_its_logprobs_are_get_logprobs(tmp_path, monkeypatch, case):
+    """The KV cache holds [latent, RoPE key] per token and layer (kv_lora_rank + rope_dim = 24
+    numbers here, not heads x (key + value width) = 4 x 40) and the latents are a view of it; the
+    absorbed decode steps give the per-head form's logprobs: sampled rows of different prompt
+    lengths score as `get_logprobs` scores them."""
+    import contextlib
+
+    from policyworker.model.attention.latent_cache import LatentCache
+
+    worker = make_worker(
+        _model(tmp_path, case), generation={"max_new_tokens": 8, "stop_token_ids": []}
+    )
+    paths, caches = worker.scorer.paths, []
+    generating = paths.generating
+
+    @contextlib.contextmanager
+    def keeping(model, capacity):
+        with generating(model, capacity) as phase:
+            yield phase
+            caches.append(phase.cache)
+
+    monkeypatch.setattr(paths, "generating", keeping)
+    lengths = [9, 4, 12]
+    data = make_batch(batch=3, seq=12, lengths=lengths)
+    out = worker.generate(data=data, seed=3)
+    (cache,) = caches
+    assert isinstance(cache, LatentCache) and sorted(cache.layers) == [1, 2]
+    keys, latents = cache.layers[1]
+    assert keys.shape[1] == 1 and keys.shape[-1] == 16 + 8 and latents.shape[-1] == 16
+    assert latents.data_ptr() == keys.data_ptr()
+    rows = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
+    scored = worker.get_logprobs(data=BatchedDataDict(rows))["logprobs"]
+    pos = torch.arange(out["output_ids"].shape[1])[None, :]
+    mask = (pos >= torch.tensor(lengths)[:, None]) & (pos < rows["input_lengths"][:, None])
+    assert int(mask.sum()) == 24
+    assert (scored - out["logprobs"])[mask].abs().max() <= 1e-5
+
+
 # DeepSeek-V3's and Kimi-K2's long-context RoPE: YaRN frequencies, cos/sin scaled by
 # mscale / mscale_all_dim's ratio, and the softmax by mscale_all_dim's mscale squared
 YARN = dict(

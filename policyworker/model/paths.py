@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from policyworker.model.attention.cache import KVCache
 from policyworker.model.attention.cached import (
@@ -33,6 +34,7 @@ from policyworker.model.attention.cached import (
 )
 from policyworker.model.attention.core import CoreAttention, Fresh, Switch
 from policyworker.model.attention.kernels import ByRows, Exact, Flash
+from policyworker.model.attention.latent_cache import LatentCache, LatentGenerating, LatentLayer
 from policyworker.model.attention.layout import Kernels
 from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
@@ -72,6 +74,8 @@ class ForwardPaths:
         self.dtype = dtype
         self.switch = Switch(self.training)
         self.mlps: list[ChunkedMLP] = []
+        self.latents: dict[int, LatentLayer] = {}
+        """Latent attention's layers by layer number: generation caches their latents."""
         self.mlp_chunk_tokens: int | None = None
         """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
         runs them whole."""
@@ -93,6 +97,8 @@ class ForwardPaths:
                 module.rotary.set_frequencies(inv_freq, rope.attention_factor)
                 module.rotary.rotate = self.rotary.rotate
                 module.switch = self.switch
+            elif isinstance(module, MLASelfAttention):
+                self.latents[module.core_attention.number] = LatentLayer.of(module)
             elif isinstance(module, ChunkedMLP):
                 self.mlps.append(module)
         self.mlp_chunk_tokens = mlp_chunk_tokens
@@ -108,10 +114,19 @@ class ForwardPaths:
         """The generating phase over a fresh KV cache of `capacity` positions per row, and
         generation's matmul rows, until exit (the cache is dropped then)."""
         g = self.generation
-        cache = KVCache(capacity)
-        phase = Generating(cache, g.prefill, g.decode, g.write, self.rotary, self.dtype)
-        with self.switch.using(phase), g.rows.around(model), self._chunked():
-            yield phase
+        if self.latents:  # latent attention: a cache of latents (`attention/latent_cache.py`)
+            phase: Generating = LatentGenerating(
+                LatentCache(capacity), self.latents, g.prefill, self.rotary, self.dtype
+            )
+        else:
+            phase = Generating(
+                KVCache(capacity), g.prefill, g.decode, g.write, self.rotary, self.dtype
+            )
+        with contextlib.ExitStack() as stack:
+            for layer in self.latents.values():
+                stack.enter_context(layer.capturing())
+            with self.switch.using(phase), g.rows.around(model), self._chunked():
+                yield phase
 
     @contextlib.contextmanager
     def _chunked(self) -> Iterator[None]:
