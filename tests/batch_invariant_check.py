@@ -42,7 +42,7 @@ def run(folder: str, invariant: bool, packed: bool) -> dict[str, float]:
             temperature=0.8,
             batch_invariant=invariant,
             sequence_packing={"enabled": packed},
-            generation={"max_new_tokens": 10},
+            generation={"max_new_tokens": 7},
         )
     )
     gen = worker.generate(data=prompts(), seed=1)
