@@ -154,7 +154,8 @@ def choose_paths(
     Triton runs) otherwise picks the decode step's kernel; `rotary_dim` from `rotary_offset`
     (partial RoPE: so many of each head's features; 0: all) the rotation, and the cache write
     that fuses RoPE only where it rotates whole heads; `widths_differ` (MLA: a head's value is
-    narrower than its key) the decode step's SDPA (our Triton kernel reads one width)."""
+    narrower than its key) SDPA where our Triton kernels read one width (MLA's generation
+    attends over its latents: `install` finds its layers, `attention/latent_cache.py`)."""
     if widths_differ and batch_invariant:
         raise ValueError(
             "batch_invariant: not supported yet with multi-head latent attention (its decode "
