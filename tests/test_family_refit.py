@@ -1,6 +1,6 @@
 """The new families' weights through the refit transports into the transformers engine: GLM-4.5
 (sigmoid routers whose expert bias is a buffer, not a parameter; ungated shared experts) through
-every transport, DeepSeek-V3 (latent attention's projections and norms) through IPC, after a step
+every transport, DeepSeek-V3 (latent attention's projections and norms) too, after a step
 that moved the weights and the expert bias — the engine holds the trainer's export bit for bit
 and scores as the trainer does."""
 
@@ -53,6 +53,8 @@ def _refit(worker, gen: GenerationProcess, transport: str) -> None:
         ("glm4_moe", "collective"),
         ("glm4_moe", "sparse"),
         ("deepseek_v3", "ipc"),
+        ("deepseek_v3", "collective"),
+        ("deepseek_v3", "sparse"),
     ],
 )
 def test_refits_into_the_transformers_engine_exactly(folders, family, transport, monkeypatch):
