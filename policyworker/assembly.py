@@ -140,6 +140,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
         rotary_dim=shape.rotary_dim,
         rotary_offset=shape.rotary_offset,
         widths_differ=shape.latent is not None and shape.latent.v_dim != shape.head_dim,
+        experts=shape.moe is not None,
     )
     return Parts(
         cfg=config,

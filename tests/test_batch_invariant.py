@@ -46,6 +46,16 @@ def test_batch_invariant_refuses_context_parallelism() -> None:
         PolicyConfig(model_name="m", batch_invariant="yes")  # type: ignore[arg-type]
 
 
+def test_batch_invariant_refuses_mixture_of_experts_models(tmp_path: Path) -> None:
+    """Not bitwise yet with experts (1 of 21 tokens differed in this file's check for Qwen3-MoE
+    and GLM-4.5): refused by name, not run silently wrong."""
+    from conftest import make_worker
+
+    folder = make_hf_model(tmp_path, "qwen3_moe")
+    with pytest.raises(ValueError, match="batch_invariant: not supported yet with mixture-of"):
+        make_worker(folder, batch_invariant=True)
+
+
 def test_the_demo_samples_batch_invariant_in_the_workers(tmp_path: Path) -> None:
     assert policy_config(DemoConfig(engine="megatron"), tmp_path).batch_invariant
     assert not policy_config(DemoConfig(), tmp_path).batch_invariant
