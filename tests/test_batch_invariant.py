@@ -58,6 +58,7 @@ def test_batch_invariant_refuses_mixture_of_experts_models(tmp_path: Path) -> No
 
 def test_the_demo_samples_batch_invariant_in_the_workers(tmp_path: Path) -> None:
     assert policy_config(DemoConfig(engine="megatron"), tmp_path).batch_invariant
+    assert not policy_config(DemoConfig(engine="megatron"), tmp_path, experts=True).batch_invariant
     assert not policy_config(DemoConfig(), tmp_path).batch_invariant
     own = DemoConfig(engine="megatron", worker={"batch_invariant": False})
     assert not policy_config(own, tmp_path).batch_invariant

@@ -216,9 +216,9 @@ class DemoInputs:
     """Where the run continues from (None: a fresh run)."""
 
 
-def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
+def policy_config(cfg: DemoConfig, model_dir: Path, experts: bool = False) -> PolicyConfig:
     """The workers' config: the demo's settings, `cfg.worker` over them (checked here, before
-    any work)."""
+    any work). `experts`: the model has them (no `batch_invariant` then: not supported)."""
     rollouts = cfg.prompts_per_step * cfg.group_size
     gbs = cfg.train_global_batch_size or rollouts
     ours: dict[str, Any] = {
@@ -232,7 +232,7 @@ def policy_config(cfg: DemoConfig, model_dir: Path) -> PolicyConfig:
         "temperature": cfg.temperature,
         "seed": cfg.seed,
     }
-    if cfg.engine == "megatron" and "batch_invariant" not in cfg.worker:
+    if cfg.engine == "megatron" and not experts and "batch_invariant" not in cfg.worker:
         ours["batch_invariant"] = True  # the workers' generation logprobs are their scores
     ours["generation"] = {**cfg.worker.get("generation", {}), "max_new_tokens": cfg.max_new_tokens}
     optimizer = {"weight_decay": 0.0, "betas": [0.9, 0.99], **cfg.worker.get("optimizer", {})}
@@ -255,7 +255,7 @@ def load_inputs(cfg: DemoConfig) -> DemoInputs:
     else:
         tokenizer, examples, shape = _user_task(cfg)
         model_dir = Path(cfg.model)
-    policy = policy_config(cfg, model_dir)
+    policy = policy_config(cfg, model_dir, experts=shape.moe is not None)
     # the layout against this model and the workers, now: not in a traceback once work started
     check_layout(policy.parallel, shape, policy.moe, policy.recompute)
     p = policy.parallel
