@@ -9,8 +9,8 @@ import transformers
 from conftest import make_worker
 from helpers import hf_logprobs, make_batch, make_hf_model
 from test_moe import _assert_layout_matches, _model, _one_and_two_ranks
+from test_worker_generate import response_mask, scored
 
-from policyworker.data.batched_data_dict import BatchedDataDict
 from policyworker.model.hf_config import LatentShape, UnsupportedModelError, model_shape
 from policyworker.model.router_rules import Sigmoid
 
@@ -88,12 +88,9 @@ def test_generation_caches_latents_and_its_logprobs_are_get_logprobs(tmp_path, m
     keys, latents = cache.layers[1]
     assert keys.shape[1] == 1 and keys.shape[-1] == 16 + 8 and latents.shape[-1] == 16
     assert latents.data_ptr() == keys.data_ptr()
-    rows = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
-    scored = worker.get_logprobs(data=BatchedDataDict(rows))["logprobs"]
-    pos = torch.arange(out["output_ids"].shape[1])[None, :]
-    mask = (pos >= torch.tensor(lengths)[:, None]) & (pos < rows["input_lengths"][:, None])
+    mask = response_mask(out, lengths)
     assert int(mask.sum()) == 24
-    assert (scored - out["logprobs"])[mask].abs().max() <= 1e-5
+    assert (scored(worker, out) - out["logprobs"])[mask].abs().max() <= 1e-5
 
 
 # DeepSeek-V3's and Kimi-K2's long-context RoPE: YaRN frequencies, cos/sin scaled by
@@ -121,9 +118,8 @@ def test_yarn_logprobs_and_generation_equal_transformers(tmp_path):
             prompts["input_ids"][:1], max_new_tokens=6, do_sample=False, pad_token_id=0
         )
     assert torch.equal(out["output_ids"][0, :36], drawn[0])
-    rows = {"input_ids": out["output_ids"], "input_lengths": out["unpadded_sequence_lengths"]}
-    scored = worker.get_logprobs(data=BatchedDataDict(rows))["logprobs"]
-    assert (scored - out["logprobs"])[0, 30:36].abs().max() <= 1e-5  # the decode's RoPE too
+    decoded = (scored(worker, out) - out["logprobs"])[0, 30:36]
+    assert decoded.abs().max() <= 1e-5  # the decode's RoPE too
 
 
 DEEPSEEK_LAYOUTS = {  # latent attention's projections under TP (the down-projections gathered),
