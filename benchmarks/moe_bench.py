@@ -5,7 +5,9 @@ The model is random, bf16, of `--arch`: Qwen3-MoE-shaped by default (10 layers, 
 query / 4 KV heads of 128, 48 experts of intermediate 768, top-8 renormalized, vocabulary 151936,
 untied: 3.08B parameters; 0.88B matmul parameters active per token, the output layer's 0.31B
 included); `deepseek_v3` (2.2B: latent attention, 64 routed experts in 8 groups, 4 chosen, top-6,
-1 shared, a dense first layer) and `glm4_moe` (GLM-4.5-Air-shaped, partial RoPE): ARCH_DEFAULTS.
+1 shared, a dense first layer), `glm4_moe` (GLM-4.5-Air-shaped, partial RoPE) and `gpt_oss`
+(gpt-oss-20b-shaped at 2.1B: sinks, sliding windows, biases; transformers runs it eagerly, having
+no SDPA path for it): ARCH_DEFAULTS.
 
 * ours:        `MegatronPolicyWorker.train(NLLLoss)` / `get_logprobs`, experts on grouped GEMMs
                (`moe.moe_grouped_gemm`, the default);
@@ -63,6 +65,12 @@ ARCH_DEFAULTS: dict[str, dict[str, int]] = {
         layers=6, hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=64, topk=8,
         expert_ffn=768, vocab=151552,
     ),
+    # gpt-oss-20b's layout at 2.1B: 64 query / 8 KV heads of 64, sinks, sliding-window (128)
+    # and full layers alternating, biases, the clamped SwiGLU, 32 experts top-4, YaRN
+    "gpt_oss": dict(
+        layers=6, hidden=2048, heads=64, kv_heads=8, head_dim=64, experts=32, topk=4,
+        expert_ffn=1024, vocab=201088,
+    ),
 }  # fmt: skip
 
 
@@ -70,6 +78,14 @@ def moe_config(args: argparse.Namespace):
     """The transformers config of `args.arch` with the shape arguments."""
     import transformers
 
+    if args.arch == "gpt_oss":
+        return transformers.GptOssConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+            num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+            head_dim=args.head_dim, num_local_experts=args.experts,
+            num_experts_per_tok=args.topk, intermediate_size=args.expert_ffn,
+            max_position_embeddings=max(4096, args.seq), tie_word_embeddings=False,
+        )  # fmt: skip
     common = dict(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -104,15 +120,17 @@ def moe_config(args: argparse.Namespace):
 def random_moe(args: argparse.Namespace) -> tuple[Path, object, int]:
     import transformers
 
-    names = {"qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe"}
+    names = {"qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3", "glm4_moe": "Glm4Moe",
+             "gpt_oss": "GptOss"}  # fmt: skip
     model_cls = getattr(transformers, f"{names[args.arch]}ForCausalLM")
-    return save_random(model_cls, moe_config(args), f"bench-{args.arch}-")
+    return save_random(model_cls, moe_config(args), f"bench-{args.arch.replace('_', '-')}-")
 
 
 def active_flops(folder: Path, cfg, tokens: int, seq: int) -> tuple[float, int]:
     """(flops of a train step on the active parameters, active matmul parameters), read off
-    the saved checkpoint's tensors: every matrix but the embedding, an expert's at top-k /
-    experts; and causal attention, 3 · L · s · heads · (key + value head width) per token."""
+    the saved checkpoint's tensors: every matrix but the embedding (and gpt-oss's stacked
+    biases), an expert's at top-k / experts; and causal attention, 3 · s · heads · (key + value
+    head width) per token and layer, a sliding-window layer's at its share of the keys."""
     from safetensors import safe_open
 
     experts = getattr(cfg, "num_experts", None) or cfg.n_routed_experts
@@ -121,13 +139,17 @@ def active_flops(folder: Path, cfg, tokens: int, seq: int) -> tuple[float, int]:
         with safe_open(file, "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 shape = f.get_slice(name).get_shape()
-                if len(shape) < 2 or "embed_tokens" in name:
+                if len(shape) < 2 or "embed_tokens" in name or name.endswith("_bias"):
                     continue
                 n = float(torch.Size(shape).numel())
                 active += n * cfg.num_experts_per_tok / experts if ".experts." in name else n
     key_width = getattr(cfg, "qk_head_dim", None) or cfg.head_dim
     value_width = getattr(cfg, "v_head_dim", None) or cfg.head_dim
-    heads, layers = cfg.num_attention_heads, cfg.num_hidden_layers
+    heads, window = cfg.num_attention_heads, getattr(cfg, "sliding_window", None) or seq
+    kinds = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    # a query's mean count of keys, over s / 2 (a full layer's)
+    share = min(1.0, window * (1 - window / (2 * seq)) / (seq / 2))
+    layers = sum(share if kind == "sliding_attention" else 1.0 for kind in kinds)
     attention = 3 * layers * seq * heads * (key_width + value_width) * tokens
     return 6 * active * tokens + attention, int(active)
 
@@ -168,10 +190,11 @@ def bench_hf(folder: Path, ids: torch.Tensor, steps: int, prof: bool = False) ->
 
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    eager = "gpt-oss" in folder.name  # transformers' gpt-oss has no SDPA path
     model = AutoModelForCausalLM.from_pretrained(
         folder,
         dtype=torch.bfloat16,
-        attn_implementation="sdpa",
+        attn_implementation="eager" if eager else "sdpa",
         experts_implementation="grouped_mm" if DEVICE == "cuda" else "eager",
     ).to(DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=DEVICE == "cuda")

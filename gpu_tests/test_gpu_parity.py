@@ -66,7 +66,7 @@ def _worker(folder, precision):
     "arch",
     [
         "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
-        "deepseek_v3",
+        "deepseek_v3", "gpt_oss",
     ],
 )  # fmt: skip
 def test_parity_on_gpu(tmp_path, arch):
@@ -77,6 +77,8 @@ def test_parity_on_gpu(tmp_path, arch):
         kw["moe_intermediate_size"] = 176  # 8 experts, top-2 (tests/helpers.py)
     if arch == "deepseek_v3":  # latent attention: every head its own keys
         kw["num_key_value_heads"] = kw["num_attention_heads"]
+    if arch == "gpt_oss":  # its experts' size is intermediate_size; sliding layers of 5 tokens
+        kw["head_dim"], kw["intermediate_size"] = 64, 176
     folder = make_hf_model(tmp_path, arch, **kw)
     data = make_batch(batch=6, seq=200, vocab=1024, lengths=[200, 17, 133, 64, 1, 190])
     valid = torch.arange(200)[None] < data["input_lengths"][:, None]
@@ -94,7 +96,7 @@ def test_parity_on_gpu(tmp_path, arch):
     RESULTS[arch] = r
     _dump()
     assert r["fp32_vs_hf_fp32_max"] <= 1e-4
-    if arch in ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3"):
+    if arch in ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"):
         # bf16 rounding can flip a near-tied top-k choice, on either side: a few tokens then
         # differ by more; the mean is what is reported and bounded
         assert r["bf16_vs_hf_bf16_mean"] <= 0.01

@@ -17,7 +17,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from policyworker.checkpoint.checkpointer import Checkpointer, Trainee, finalize_unfinished
-from policyworker.compat import finalize, mla, router
+from policyworker.compat import expert_bias, finalize, mla, router
 from policyworker.compat.cpu import apply_cpu_patches
 from policyworker.config import PolicyConfig
 from policyworker.data.contract import BatchRules
@@ -124,6 +124,8 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
     apply_cpu_patches()
     finalize.install()
     router.install()
+    if shape.arch.linear_bias and shape.moe is not None:
+        expert_bias.install()
     if shape.latent is not None:
         mla.install(DuplicatedLinear)
     dims, groups = setup_parallel(config.parallel)

@@ -24,6 +24,7 @@ ARCHS = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 MOE = {
     "qwen3_moe": dict(
@@ -49,6 +50,14 @@ MOE = {
         qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
         topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+    ),
+    # sinks, biases everywhere, the clamped SwiGLU, YaRN; layers 0 and 2 slide over 5 tokens,
+    # 1 and 3 see every earlier token
+    "gpt_oss": dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+        sliding_window=5, num_hidden_layers=4,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False, original_max_position_embeddings=32),
     ),
 }  # fmt: skip
 
@@ -76,8 +85,10 @@ def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrid
     model = model_cls(cfg_cls(**kw))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or "bias" in name:
+            if "norm" in name or "bias" in name or name.endswith(".sinks"):
                 p.add_(torch.randn_like(p) * 0.2)
+            if name.endswith("experts.gate_up_proj") and arch == "gpt_oss":
+                p.mul_(60.0)  # some gate/up values past the SwiGLU's clamp at 7
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a router's expert bias (a buffer)
                 b.add_(torch.randn_like(b) * 0.2)
@@ -125,6 +136,12 @@ def make_batch(
     )
 
 
+def hf_attention(folder: Path) -> str:
+    """transformers' attention for the model in `folder`: SDPA, or eager (gpt-oss has no SDPA)."""
+    config = transformers.AutoConfig.from_pretrained(folder)
+    return "eager" if config.model_type == "gpt_oss" else "sdpa"
+
+
 def hf_logprobs(
     folder: Path,
     data: BatchedDataDict,
@@ -133,9 +150,10 @@ def hf_logprobs(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
 ) -> torch.Tensor:
-    """Reference logprobs from transformers (SDPA), same alignment as the worker's; on CPU."""
+    """Reference logprobs from transformers (SDPA; eager where a family has no SDPA path:
+    gpt-oss), same alignment as the worker's; on CPU."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, attn_implementation="sdpa"
+        folder, dtype=dtype, attn_implementation=hf_attention(folder)
     )
     model = model.to(device).eval()
     ids = data["input_ids"].to(device)

@@ -1,5 +1,5 @@
 """Mixture-of-experts decoders from Hugging Face (Qwen3-MoE, Qwen2-MoE, Mixtral, GLM-4.5,
-DeepSeek-V3; 8 experts, top-2):
+DeepSeek-V3, gpt-oss; 8 experts, top-2):
 logprobs, top-k and a loss's gradients equal transformers' (fp32), per-expert export that
 transformers reloads, the fused expert layout read too, and the architectures refused by name."""
 
@@ -26,6 +26,8 @@ FAMILIES = {
     "deepseek_v3": {},  # multi-head latent attention, RoPE rows interleaved; 4 groups
     # Moonlight's and DeepSeek-V2-Lite's latent attention: one query projection, no query latent
     "deepseek_v3-no-query-latent": {"q_lora_rank": None},
+    # sinks, sliding-window layers, biases, the clamped SwiGLU, experts fused on disk
+    "gpt_oss": {},
 }
 
 
@@ -135,9 +137,12 @@ def _hf_rows(ref: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def test_export_uses_per_expert_names_and_transformers_reloads_it(moe_dir, tmp_path):
     worker = make_worker(moe_dir)
     out = worker.save_hf_pretrained(tmp_path / "export")
-    saved = load_file(out / "model.safetensors")
-    assert saved.keys() == load_file(moe_dir / "model.safetensors").keys()
-    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
+    saved, source = load_file(out / "model.safetensors"), load_file(moe_dir / "model.safetensors")
+    assert saved.keys() == source.keys()
+    fused = "gpt_oss" in str(moe_dir)  # gpt-oss's checkpoints hold its experts fused
+    assert fused == any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in saved)
+    if fused:  # the interleaved gate/up columns, transposes and biases back as they were
+        assert all(torch.equal(saved[n], source[n]) for n in saved if ".experts." in n)
     data = make_batch(batch=3, seq=10)
     torch.testing.assert_close(hf_logprobs(out, data), hf_logprobs(moe_dir, data))
 
@@ -159,7 +164,8 @@ def test_experts_stored_fused_load_the_same(tmp_path):
 @pytest.mark.parametrize(
     ("architecture", "match"),
     [
-        ("GptOssForCausalLM", "gpt-oss"),
+        ("Qwen3_5ForCausalLM", "Qwen3.5"),
+        ("Qwen3NextForCausalLM", "Qwen3-Next"),
     ],
 )
 def test_architectures_not_yet_supported_are_refused_by_name(architecture, match):
@@ -326,7 +332,7 @@ def test_moe_options_are_checked():
         ParallelConfig(expert_tensor_parallel_size=0).validate()
 
 
-@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("case", ["qwen2_moe", "mixtral", "gpt_oss"])
 def test_grouped_experts_equal_sequential_mlp(tmp_path, case):
     """The grouped-GEMM experts with their sync-free dispatcher, and megatron's SequentialMLP
     with megatron's: the same logprobs and gradients (fp32, CPU) on the same parameters; the

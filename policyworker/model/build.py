@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.activations import quick_gelu
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -80,9 +81,9 @@ def transformer_config(
         layernorm_epsilon=shape.rms_norm_eps,
         normalization="RMSNorm",
         gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
+        add_bias_linear=shape.arch.linear_bias,
         add_qkv_bias=shape.arch.qkv_bias,
+        softmax_type="learnable" if shape.sinks else "vanilla",
         qk_layernorm=shape.arch.qk_norm or shape.latent is not None,  # MLA: the latents' norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -110,6 +111,17 @@ def transformer_config(
         **moe_fields(shape.moe, moe or MoEConfig()),
         **recompute_fields(recompute or RecomputeConfig()),
         **latent_fields(shape.latent),
+        **activation_fields(shape.swiglu_clamp),
+    )
+
+
+def activation_fields(clamp: float) -> dict[str, Any]:
+    """The gated MLP's activation: silu(gate) * up, or gpt-oss's clamped form — megatron's
+    quick_gelu (x * sigmoid(1.702 x)) of the gate times (up + 1), both clamped to `clamp`."""
+    if not clamp:
+        return dict(activation_func=F.silu)
+    return dict(
+        activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=clamp
     )
 
 
@@ -178,26 +190,33 @@ def layer_spec(
     num_experts: int,
     grouped: bool = False,
     latent: LatentShape | None = None,
+    windows: tuple[int, ...] = (),
 ) -> TransformerBlockSubmodules:
     """Pre-norm decoder layers of megatron modules, one per entry of `moe_layers` (an MoE layer
     of `num_experts` experts where True, a dense MLP where False), plus the final norm.
     `grouped`: the experts run on grouped GEMMs (`GroupedExperts`), not SequentialMLP's loop, in a
     `GroupedMoELayer` (no host sync per layer where every expert is local). `latent`: multi-head
-    latent attention (megatron's MLASelfAttention) instead of self-attention."""
-    dense = _dense_layer(qk_norm=qk_norm, latent=latent)
-    if not any(moe_layers):
-        return TransformerBlockSubmodules(layer_specs=[dense] * len(moe_layers), layer_norm=RMSNorm)
-    mlp = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-    if grouped:  # the same submodules, GroupedExperts in SequentialMLP's place
+    latent attention (megatron's MLASelfAttention) instead of self-attention. `windows`: each
+    layer's sliding window (0: none; empty: none anywhere)."""
+    mlp = None
+    if any(moe_layers):
+        mlp = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+    if mlp is not None and grouped:  # the same submodules, GroupedExperts in SequentialMLP's place
         parts = mlp.keywords["submodules"]
         experts = partial(GroupedExperts, **parts.experts.keywords)
         mlp = partial(GroupedMoELayer, submodules=replace(parts, experts=experts))
-    moe = ModuleSpec(module=TransformerLayer, submodules=replace(dense.submodules, mlp=mlp))
-    layers = [moe if is_moe else dense for is_moe in moe_layers]
+    layers = []
+    for is_moe, window in zip(moe_layers, windows or (0,) * len(moe_layers), strict=True):
+        layer = _dense_layer(qk_norm=qk_norm, latent=latent, window=window)
+        if is_moe:
+            layer = ModuleSpec(
+                module=TransformerLayer, submodules=replace(layer.submodules, mlp=mlp)
+            )
+        layers.append(layer)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
-def _attention(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
+def _attention(*, qk_norm: bool, latent: LatentShape | None, window: int = 0) -> ModuleSpec:
     """Self-attention of megatron's modules with our core attention; or multi-head latent
     attention (down-projections to the latents, their norms, up-projections)."""
     if latent is not None:
@@ -217,12 +236,13 @@ def _attention(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
             ),
         )
     qk = RMSNorm if qk_norm else IdentityOp
+    core = partial(CoreAttention, window=window) if window else CoreAttention
     return ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=CoreAttention,
+            core_attention=core,
             linear_proj=RowParallelLinear,
             q_layernorm=qk,
             k_layernorm=qk,
@@ -230,12 +250,12 @@ def _attention(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
     )
 
 
-def _dense_layer(*, qk_norm: bool, latent: LatentShape | None) -> ModuleSpec:
+def _dense_layer(*, qk_norm: bool, latent: LatentShape | None, window: int = 0) -> ModuleSpec:
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=RMSNorm,
-            self_attention=_attention(qk_norm=qk_norm, latent=latent),
+            self_attention=_attention(qk_norm=qk_norm, latent=latent, window=window),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=RMSNorm,
             mlp=partial(
@@ -286,6 +306,7 @@ def build_gpt_model(
         num_experts=shape.moe.num_experts if shape.moe else 0,
         grouped=moe.moe_grouped_gemm,
         latent=shape.latent,
+        windows=shape.windows[first : first + count],
     )
     model = GPTModel(
         config=config,

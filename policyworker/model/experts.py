@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from policyworker.model.hf_config import ModelShape
+from policyworker.model.fused_experts import expert_slice, fused_mappings, fused_shapes
+from policyworker.model.hf_config import GPT_OSS, ModelShape
 from policyworker.model.layouts import Copy, GateUp, Mapping
 from policyworker.model.router_rules import Sigmoid
 from policyworker.parallel.dims import Groups
@@ -59,8 +60,10 @@ def moe_mappings(i: int, shape: ModelShape) -> list[Mapping]:
     the shared expert."""
     moe = shape.moe
     assert moe is not None
-    names = EXPERT_NAMES[shape.architecture]
     m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}."
+    if shape.architecture == GPT_OSS:  # stored fused, with biases (`fused_experts.py`)
+        return fused_mappings(m, h + "mlp.", moe.num_experts)
+    names = EXPERT_NAMES[shape.architecture]
     block = f"{h}{names.block}."
     out: list[Mapping] = [Copy(m + "router.weight", (block + "gate.weight",), None)]
     if isinstance(moe.rule, Sigmoid):
@@ -97,10 +100,15 @@ def expert_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     moe = shape.moe
     if moe is None:
         return {}
-    names = EXPERT_NAMES[shape.architecture]
     hidden, ffn = shape.hidden_size, moe.expert_ffn_size
     out: dict[str, tuple[int, ...]] = {}
-    for i in (i for i, is_moe in enumerate(moe.layers) if is_moe):
+    moe_layers = [i for i, is_moe in enumerate(moe.layers) if is_moe]
+    if shape.architecture == GPT_OSS:
+        for i in moe_layers:
+            out |= fused_shapes(f"model.layers.{i}.mlp.", moe.num_experts, hidden, ffn)
+        return out
+    names = EXPERT_NAMES[shape.architecture]
+    for i in moe_layers:
         block = f"model.layers.{i}.{names.block}."
         out[block + "gate.weight"] = (moe.num_experts, hidden)
         for e in range(moe.num_experts):
@@ -170,7 +178,10 @@ class FusedSource:
 
 
 def fused_source(name: str) -> FusedSource | None:
-    """The fused tensor a per-expert HF name is part of (None: not an expert tensor)."""
+    """The fused tensor a per-expert HF name is part of (None: not an expert tensor); gpt-oss's
+    slice names (`fused_experts.py`) are their expert's whole row of the fused tensor."""
+    if (where := expert_slice(name)) is not None:
+        return FusedSource(where[0], where[1], None)
     found = _PER_EXPERT.match(name)
     if found is None:
         return None

@@ -44,27 +44,50 @@ class GroupedExperts(SequentialMLP):
         permuted_probs: torch.Tensor,
     ) -> tuple[torch.Tensor, None]:
         config = self.config
-        if config.moe_apply_probs_on_input or config.fp8 or config.fp4 or config.add_bias_linear:
+        if config.moe_apply_probs_on_input or config.fp8 or config.fp4:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states
         ends = torch.cumsum(tokens_per_expert.to(x.device), 0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])  # [E, 2I, H]
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, H, I]
         hidden = F.grouped_mm(x, fc1.transpose(1, 2), offs=ends)
-        inner = weighted_glu(hidden, permuted_probs, config.activation_func)
-        return F.grouped_mm(inner, fc2.transpose(1, 2), offs=ends), None
+        rows = None
+        if config.add_bias_linear:  # each row's expert's biases (gpt-oss), no host sync
+            rows = expert_of_rows(ends, x.shape[0])
+            hidden = hidden + torch.stack([e.linear_fc1.bias for e in self.local_experts])[rows]
+        glu = (config.activation_func, config.activation_func_clamp_value, config.glu_linear_offset)
+        inner = weighted_glu(hidden, permuted_probs, *glu)
+        out = F.grouped_mm(inner, fc2.transpose(1, 2), offs=ends)
+        if rows is not None:  # megatron's MLP: the fc2 bias scaled by the router weight
+            bias = torch.stack([e.linear_fc2.bias for e in self.local_experts])[rows]
+            out = out + bias * permuted_probs.unsqueeze(-1)
+        return out, None
+
+
+def expert_of_rows(ends: torch.Tensor, n: int) -> torch.Tensor:
+    """The local expert of each of `n` rows sorted by expert (`ends`: each expert's cumulative
+    end)."""
+    rows = torch.arange(n, device=ends.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, rows, right=True).clamp_max(ends.shape[0] - 1)
 
 
 @cuda_compiled
 def weighted_glu(
-    hidden: torch.Tensor, probs: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor,
+    probs: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    clamp: float | None = None,
+    offset: float = 0.0,
 ) -> torch.Tensor:
-    """activation(gate) * up times each row's router probability, in the activation's dtype
-    (SequentialMLP's arithmetic). On GPU one fused pass forward and one backward; eagerly it was
-    five passes over the strided halves of `hidden` and a concatenation of their gradients,
-    ~7 ms of a 2.1B MoE train step's kernels on an H100."""
+    """activation(gate) * (up + offset) times each row's router probability, in the
+    activation's dtype (megatron MLP's arithmetic; gate clamped above and up both ways at
+    `clamp`: gpt-oss). On GPU one fused pass forward and one backward; eagerly it was five
+    passes over the strided halves of `hidden` and a concatenation of their gradients, ~7 ms
+    of a 2.1B MoE train step's kernels on an H100."""
     gate, up = hidden.chunk(2, dim=-1)
-    inner = activation(gate) * up
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(min=-clamp, max=clamp)
+    inner = activation(gate) * (up + offset if offset else up)
     return (inner * probs.unsqueeze(-1)).to(inner.dtype)
 
 

@@ -26,6 +26,8 @@ class ArchSpec:
     """Whether q/k/v projections carry a bias."""
     qk_norm: bool
     """Whether queries and keys are RMS-normalized per head before RoPE (Qwen3)."""
+    linear_bias: bool = False
+    """Biases on every linear layer: q/k/v, o, the router and the experts (gpt-oss)."""
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -41,14 +43,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Glm4MoeForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
     # multi-head latent attention (`LatentShape`), GLM-4.5's routing
     "DeepseekV3ForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
+    # attention sinks, sliding-window layers, the clamped SwiGLU, fused experts on disk
+    "GptOssForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, linear_bias=True),
 }
 CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 """Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
 `use_qk_norm` adds per-head q/k norms."""
 
 NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
-    "GptOssForCausalLM": "gpt-oss (biases, attention sinks, sliding-window layers)",
+    "Qwen3_5ForCausalLM": "Qwen3.5 (gated DeltaNet linear attention)",
+    "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (gated DeltaNet linear attention)",
+    "Qwen3NextForCausalLM": "Qwen3-Next (gated DeltaNet linear attention)",
 }
+GPT_OSS = "GptOssForCausalLM"
+GPT_OSS_SWIGLU = (1.702, 7.0)
+"""gpt-oss's SwiGLU: (alpha, limit), constants in transformers' `GptOssExperts`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +123,14 @@ class ModelShape:
     rotary_offset: int = 0
     latent: LatentShape | None = None
     """Multi-head latent attention's dimensions (None: standard attention)."""
+    windows: tuple[int, ...] = ()
+    """Per layer, the sliding window a query reaches (itself and the `window - 1` keys before
+    it; 0: every key before it), from `layer_types` (gpt-oss); empty: every layer full."""
+    sinks: bool = False
+    """A learned per-head logit in every query's softmax denominator (gpt-oss's `sinks`)."""
+    swiglu_clamp: float = 0.0
+    """gpt-oss's SwiGLU (0: plain silu(gate) * up): gate and up clamped to this limit,
+    gate * sigmoid(1.702 gate) * (up + 1)."""
 
     @property
     def heads_per_group(self) -> int:
@@ -163,6 +180,12 @@ def model_shape(hf_config: Any) -> ModelShape:
             f"model architecture {name or '(none)'!r} is not supported; "
             f"supported: {', '.join(sorted(ARCHITECTURES))}"
         )
+    if getattr(hf_config, "quantization_config", None):
+        method = dict(hf_config.quantization_config).get("quant_method", "?")
+        raise UnsupportedModelError(
+            f"quantization_config (quant_method={method!r}): quantized checkpoints are not "
+            "supported; load a bf16/fp32 checkpoint (e.g. dequantized by transformers)"
+        )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UnsupportedModelError(
             f"hidden_act {hf_config.hidden_act!r}: only 'silu' is supported"
@@ -171,7 +194,8 @@ def model_shape(hf_config: Any) -> ModelShape:
         raise UnsupportedModelError("mlp_bias=True is not supported")
     # Llama/Qwen3's attention_bias also puts a bias on o_proj, which megatron only offers
     # together with biases on every MLP linear.
-    if getattr(hf_config, "attention_bias", False) and name not in CONFIGURED_ATTENTION:
+    biased = name in CONFIGURED_ATTENTION or ARCHITECTURES[name].linear_bias
+    if getattr(hf_config, "attention_bias", False) and not biased:
         raise UnsupportedModelError(f"{name} with attention_bias=True is not supported")
     rope_type(hf_config)  # refused here by name unless supported
     heads = hf_config.num_attention_heads
@@ -200,6 +224,28 @@ def model_shape(hf_config: Any) -> ModelShape:
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         rotary_offset=offset,
         latent=latent,
+        **(_gpt_oss_fields(hf_config) if name == GPT_OSS else {}),
+    )
+
+
+def _gpt_oss_fields(hf_config: Any) -> dict[str, Any]:
+    """gpt-oss's sinks, per-layer windows and clamped SwiGLU."""
+    if not hf_config.attention_bias:  # megatron's biases come on every linear layer or none
+        raise UnsupportedModelError("gpt-oss with attention_bias=False is not supported")
+    window = hf_config.sliding_window or 0
+    kinds = {"sliding_attention": window, "full_attention": 0}
+    unknown = sorted(set(hf_config.layer_types) - set(kinds))
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {unknown}: not supported")
+    limit = getattr(hf_config, "swiglu_limit", GPT_OSS_SWIGLU[1])
+    if limit != GPT_OSS_SWIGLU[1]:  # transformers ignores it (its experts hard-code 7.0)
+        raise UnsupportedModelError(
+            f"swiglu_limit={limit}: only {GPT_OSS_SWIGLU[1]} (what transformers runs) is supported"
+        )
+    return dict(
+        windows=tuple(kinds[k] for k in hf_config.layer_types),
+        sinks=True,
+        swiglu_clamp=GPT_OSS_SWIGLU[1],
     )
 
 
@@ -252,6 +298,14 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
         )
     if name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_shape(hf_config)
+    if name == GPT_OSS:  # a biased router; the top k's logits softmaxed
+        return MoEShape(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            expert_ffn_size=hf_config.intermediate_size,
+            rule=Softmax(normalize=True),
+            layers=(True,) * layers,
+        )
     if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -293,7 +347,10 @@ def _sigmoid_moe_shape(hf_config: Any) -> MoEShape:
 
 
 def check_sliding_window(hf_config: Any, max_seq_len: int) -> None:
-    """Sliding-window attention is not implemented: refuse sequences that would need it."""
+    """Sliding windows are read from `layer_types` for gpt-oss only (`ModelShape.windows`);
+    another family's window is refused where sequences would need it."""
+    if GPT_OSS in (getattr(hf_config, "architectures", None) or []):
+        return
     window = getattr(hf_config, "sliding_window", None)
     enabled = getattr(hf_config, "use_sliding_window", True)
     if window is not None and enabled and window < max_seq_len:
@@ -366,6 +423,12 @@ def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) 
         raise ValueError(
             f"{field('expert_model_parallel')}: expected a divisor of "
             f"num_experts={shape.moe.num_experts}, got {ep}"
+        )
+    # megatron adds an expert's fc2 bias on each expert-TP rank before their partial sums meet:
+    # not built here
+    if etp > 1 and shape.arch.linear_bias:
+        raise ValueError(
+            f"{field('expert_tensor_parallel')}: expected 1 for experts with biases, got {etp}"
         )
     if shape.moe.expert_ffn_size % etp:
         raise ValueError(

@@ -19,6 +19,7 @@ import transformers
 from safetensors import safe_open
 
 from policyworker.model.experts import ExpertSplit, expert_shapes, fused_source, moe_mappings
+from policyworker.model.fused_experts import fuse
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import QKV, Copy, GateUp, Mapping, RopeRows, VocabRows
 from policyworker.parallel.dims import Groups
@@ -59,10 +60,12 @@ def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
         out += _latent_mappings(m, attn, shape)
     else:
         out += _attention_mappings(m, attn, shape)
-    out += [
-        Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1),
-        Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None),
-    ]
+    out.append(Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1))
+    if shape.arch.linear_bias:
+        out.append(Copy(m + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), None))
+    if shape.sinks:
+        out.append(Copy(m + "self_attention.core_attention.softmax_offset", (attn + "sinks",), 0))
+    out.append(Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None))
     if shape.moe is not None and shape.moe.layers[i]:
         return out + moe_mappings(i, shape)
     return out + _dense_mlp(m, h)
@@ -239,7 +242,21 @@ def export_hf_weights(
 
     TP shards are all-gathered over TP (an expert's over expert TP), and each routed expert is
     broadcast by its EP rank, one at a time: every rank of the stage must iterate in step.
+    Experts a family stores fused come out fused (`fused_experts.fuse`).
     """
+    return on_disk(_export(params, shape, groups), shape)
+
+
+def on_disk(
+    pairs: Iterator[tuple[str, torch.Tensor]], shape: ModelShape
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An export's pairs under the names and layout the family's checkpoints use."""
+    return fuse(pairs, shape.moe.num_experts) if shape.moe is not None else pairs
+
+
+def _export(
+    params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     tp = 1 if groups is None else dist.get_world_size(groups.tp)
     split = ExpertSplit.of(shape, groups)
     for m in mappings(shape, tp):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from policyworker.model.hf_config import ModelShape
-from policyworker.model.weights import export_hf_weights, full_meta, mappings
+from policyworker.model.weights import export_hf_weights, full_meta, mappings, on_disk
 from policyworker.parallel.dims import Groups
 from policyworker.refit.layout import RefitInfo
 
@@ -25,14 +25,18 @@ def stage_info(
     params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(hf_name, shape, dtype) of this stage's exported tensors, computed on meta tensors."""
-    out = []
+    return [
+        (name, tuple(t.shape), t.dtype) for name, t in on_disk(_meta(params, shape, groups), shape)
+    ]
+
+
+def _meta(
+    params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups
+) -> Iterator[tuple[str, torch.Tensor]]:
     for m in mappings(shape, dist.get_world_size(groups.tp)):
         meta = full_meta(m, params, shape, groups)
-        if meta is None:
-            continue
-        for name, t in zip(m.hf, m.to_hf(meta, shape), strict=True):
-            out.append((name, tuple(t.shape), t.dtype))
-    return out
+        if meta is not None:
+            yield from zip(m.hf, m.to_hf(meta, shape), strict=True)
 
 
 def refit_info(params: dict[str, torch.Tensor], shape: ModelShape, groups: Groups) -> RefitInfo:

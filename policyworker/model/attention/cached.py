@@ -12,7 +12,6 @@ causal) or a decode step's (one token per row at its own position). The kernels 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,15 +22,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from policyworker.model.attention.cache import KVCache, Step
 from policyworker.model.attention.core import CoreAttention
+from policyworker.model.attention.layout import CachedKernel
 from policyworker.model.attention.rotary import Rotary
 from policyworker.ops.decode_attention import attention_rows, decode_attention
 from policyworker.ops.rope import rope_into_cache
-
-CachedKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
-"""q [b, np, s, hn] against the cache's k/v [b, ng, n, hn], each query reaching the keys up to
-its position ([s, b]), with a softmax scale -> [b, np, s, hn]."""
 
 # Not cuDNN: it builds an execution plan for every new shape (~50 ms on an H200), and every
 # decode step has a new key length, every prefill a new prompt width. SDPA's decode
@@ -208,6 +202,6 @@ class Generating:
         s, b = query.shape[:2]
         query = self.write(layer, self.cache, (query, key, value), where)
         k, v = self.cache.read(layer.number, step.keys_used)
-        kernel = self.prefill if step.prefill else self.decode
+        kernel = layer.softmax.cached(self.prefill if step.prefill else self.decode)
         out = kernel(query.permute(1, 2, 0, 3), k, v, where.positions, layer.scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

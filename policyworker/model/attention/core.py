@@ -16,12 +16,27 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 
-from policyworker.model.attention.layout import Kernels, locate
+from policyworker.model.attention.layout import CachedKernel, Kernels, locate
+from policyworker.model.attention.masked import Causal, Masked
 from policyworker.model.attention.rotary import Rotary
+
+
+class Softmax(Protocol):
+    """A layer's softmax (`attention/masked.py`): the kernels it runs in a phase."""
+
+    def kernels(self, phase: Kernels) -> Kernels: ...
+
+    def cached(self, phase: CachedKernel) -> CachedKernel: ...
 
 
 class Phase(Protocol):
@@ -60,7 +75,8 @@ class Fresh:
         angles = layer.rotary.angles(where.positions, query.dtype)  # made once for q and k
         query = layer.rotary(query, angles, self.in_place)
         key = layer.rotary(key, angles, self.in_place)
-        return where.attend(self.kernels, query, key, value, layer.scale)
+        kernels = layer.softmax.kernels(self.kernels)
+        return where.attend(kernels, query, key, value, layer.scale)
 
 
 class _Unbuilt:
@@ -99,9 +115,12 @@ class CoreAttention(MegatronModule):
         pg_collection: object | None = None,
         k_channels: int | None = None,
         v_channels: int | None = None,
+        window: int = 0,
     ) -> None:
         """`k_channels`, `v_channels`: a head's key and value widths where they differ (MLA):
-        the kernels read them from the tensors."""
+        the kernels read them from the tensors. `window`: this layer's sliding window (0:
+        none); `config.softmax_type == "learnable"`: a sink logit per head (`softmax_offset`,
+        megatron's name, split over TP with the heads)."""
         super().__init__(config=config)
         self.number = layer_number
         """megatron's layer number (global, from 1): this layer's slot in a KV cache."""
@@ -110,6 +129,33 @@ class CoreAttention(MegatronModule):
         )
         self.rotary = Rotary()
         self.switch = Switch(_Unbuilt())
+        self.softmax_offset: torch.nn.Parameter | None = None
+        if config.softmax_type == "learnable":
+            heads = config.num_attention_heads // config.tensor_model_parallel_size
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        elif config.softmax_type != "vanilla":
+            raise ValueError(f"CoreAttention: softmax_type {config.softmax_type!r}")
+        plain = not window and self.softmax_offset is None
+        self.softmax: Softmax = Causal() if plain else Masked(window, self.softmax_offset)
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict | None = None,
+    ) -> dict:
+        """The sinks split over TP along the heads (megatron's default would call them
+        replicated)."""
+        state = {} if self.softmax_offset is None else {"softmax_offset": self.softmax_offset}
+        return make_sharded_tensors_for_checkpoint(
+            state,
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
+        )
 
     def forward(
         self,

@@ -193,7 +193,7 @@ def varlen_reference(
     each chunk is one SDPA call under a block-diagonal causal mask (a longer sequence runs alone,
     plainly causal); tokens after the last sequence get zeros."""
     out = torch.zeros_like(query)
-    for group in _chunks([(a, b) for a, b in itertools.pairwise(cu.tolist()) if b > a]):
+    for group in chunk_spans([(a, b) for a, b in itertools.pairwise(cu.tolist()) if b > a]):
         start, end = group[0][0], group[-1][1]
         q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [h, t, d]
         mask = None
@@ -209,7 +209,7 @@ def varlen_reference(
     return out
 
 
-def _chunks(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+def chunk_spans(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
     """Consecutive spans grouped while a group stays within `_CHUNK_TOKENS` tokens."""
     groups: list[list[tuple[int, int]]] = []
     for span in spans:

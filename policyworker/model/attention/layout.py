@@ -12,6 +12,7 @@ Attention is always causal; the mask megatron passes is ignored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +21,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from policyworker.ops.packed import packed_positions
 from policyworker.parallel.context import ContextPlan, ContextSplit
+
+CachedKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+"""Generation's attention over a KV cache (`cached.py`): q [b, np, s, hn] against the cache's
+k/v [b, ng, n, hn], each query reaching the keys up to its position ([s, b]), with a softmax
+scale -> [b, np, s, hn]."""
 
 
 class Kernels(Protocol):
