@@ -1,8 +1,9 @@
 """The new families' weights through the refit transports into the transformers engine: GLM-4.5
 (sigmoid routers whose expert bias is a buffer, not a parameter; ungated shared experts) through
-every transport, DeepSeek-V3 (latent attention's projections and norms) too, after a step
-that moved the weights and the expert bias — the engine holds the trainer's export bit for bit
-and scores as the trainer does."""
+every transport, DeepSeek-V3 (latent attention's projections and norms) and gpt-oss (sinks,
+biases, experts sent fused as its checkpoints hold them) too, after a step that moved the
+weights (and the expert bias) — the engine holds the trainer's export bit for bit and scores as
+the trainer does."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ KEY = "a test run's key"
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return {f: make_hf_model(tmp_path_factory.mktemp(f), f) for f in ("glm4_moe", "deepseek_v3")}
+    return {
+        f: make_hf_model(tmp_path_factory.mktemp(f), f)
+        for f in ("glm4_moe", "deepseek_v3", "gpt_oss")
+    }
 
 
 def _refit(worker, gen: GenerationProcess, transport: str) -> None:
@@ -55,6 +59,9 @@ def _refit(worker, gen: GenerationProcess, transport: str) -> None:
         ("deepseek_v3", "ipc"),
         ("deepseek_v3", "collective"),
         ("deepseek_v3", "sparse"),
+        ("gpt_oss", "ipc"),
+        ("gpt_oss", "collective"),
+        ("gpt_oss", "sparse"),
     ],
 )
 def test_refits_into_the_transformers_engine_exactly(folders, family, transport, monkeypatch):
@@ -63,15 +70,16 @@ def test_refits_into_the_transformers_engine_exactly(folders, family, transport,
     moe = MoEConfig(moe_router_bias_update_rate=1e-2)
     worker = make_worker(folder, optimizer=OptimizerConfig(lr=1e-2), moe=moe)
     info = worker.prepare_refit_info()
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in info
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # the sigmoid routers'
+    moved = bias if family != "gpt_oss" else "model.layers.1.mlp.experts.gate_up_proj_bias"
+    assert moved in info
     if transport == "sparse":
         worker.init_remote_sparse_delta_baseline(shard_rank=0, shard_count=1, transport="zmq")
     data = make_batch(batch=4, seq=12)
     before = {n: t.clone() for n, t in worker.export_hf_weights()}  # views of the live weights
     worker.train(data, NLLLoss())
     sent = dict(worker.export_hf_weights())
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert not torch.equal(sent[bias], before[bias])  # the step moved the expert bias
+    assert not torch.equal(sent[moved], before[moved])  # the step moved it
     with GenerationProcess(str(folder), info, timeout_s=60.0) as gen:
         if transport == "collective":
             port = free_port()

@@ -233,6 +233,8 @@ def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
         ("mixtral", "reshard", (2, 1, 2), (1, 2, 1)),
         # latent attention's TP2 shards (and its whole down-projections) into one rank
         ("deepseek_v3", "reshard", (2, 1, 1), (1, 1, 1)),
+        # gpt-oss's sinks split by heads, its biases and fused experts, TP2 into EP2
+        ("gpt_oss", "reshard", (2, 1, 1), (1, 2, 1)),
     ],
 )
 def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer, receiver):
@@ -264,11 +266,12 @@ def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer,
 
 
 @pytest.mark.processes
-def test_the_demo_trains_an_moe_model(tmp_path):
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_the_demo_trains_an_moe_model(tmp_path, family):
     """The main job on a user's DeepSeek-V3 folder (latent attention, sigmoid routers with the
-    expert bias, shared experts, a dense first layer: the most distinct family; the demo's code
-    is the same for every family): SFT and GRPO steps through the driver, each GRPO step
-    refitting transformers' engine (its fused experts written per expert)."""
+    expert bias, shared experts, a dense first layer) and gpt-oss folder (sinks, windows,
+    biases, experts fused on disk): SFT and GRPO steps through the driver, each GRPO step
+    refitting transformers' engine (its fused experts written per expert, or whole)."""
     import json
 
     from policyworker.cli import main
@@ -276,7 +279,7 @@ def test_the_demo_trains_an_moe_model(tmp_path):
 
     tokenizer = char_tokenizer()
     folder = make_hf_model(
-        tmp_path / "moe", "deepseek_v3", vocab_size=len(tokenizer), max_position_embeddings=64
+        tmp_path / "moe", family, vocab_size=len(tokenizer), max_position_embeddings=64
     )
     tokenizer.save_pretrained(folder)
     data = tmp_path / "tasks.jsonl"
@@ -437,6 +440,8 @@ MOE_FOUR_RANKS = {  # expert parallel beside TP, DP and PP
 FAMILY_FOUR_RANKS = {
     "glm4_moe-ep2-tp2-sequence-parallel-packed": (2, 1, ("sp", "ep", "pack", "bias")),
     "deepseek_v3-no-query-latent-ep2-tp2-sequence-parallel": (2, 1, ("sp", "ep", "bias")),
+    # sinks split with the heads, biases under TP + SP, windows at packed positions
+    "gpt_oss-ep2-tp2-sequence-parallel-packed": (2, 1, ("sp", "ep", "pack")),
 }
 
 
@@ -563,7 +568,8 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_p
     EP2 run resumes bit for bit; one rank (EP1) loads the same checkpoint and continues within
     1e-5; an EP1 checkpoint loads into EP2 the same way. The same for DeepSeek-V3 under TP2 + SP
     (latent attention's whole-on-every-rank down-projections, its sigmoid routers' expert bias
-    moving every step: GLM-4.5's are the same routers) in the same two launches."""
+    moving every step: GLM-4.5's are the same routers) and gpt-oss under TP2 + SP (its sinks
+    split with the heads, its biases) in the same two launches."""
     from ckpt_multirank import paths, run_resume, run_save
     from multirank import config
     from test_checkpoint import _assert_bitwise, _assert_close, save_then_resume
@@ -578,10 +584,13 @@ def test_expert_parallel_checkpoints_resume_exactly_and_load_into_one_rank(tmp_p
         "ep2": (folder, cfg),
         "deepseek_v3-tp2": (make_hf_model(tmp_path / "ds", "deepseek_v3", vocab_size=101), None),
     }
+    oss = make_hf_model(tmp_path / "oss", "gpt_oss", vocab_size=101)
+    families["gpt_oss-tp2"] = (oss, config(str(oss), tp=1, pp=1))
     jobs = {
         "ep2": {"model": folder, "tp": 1, "pp": 1, "flags": ["ep"]},
         "one-into-ep2": {"model": folder, "tp": 1, "pp": 1, "flags": ["ep"], "ckpt": one},
         "deepseek_v3-tp2": {"model": families["deepseek_v3-tp2"][0], "tp": 2, "pp": 1},
+        "gpt_oss-tp2": {"model": oss, "tp": 2, "pp": 1, "flags": ["sp"]},  # sinks split
     }
     jobs["deepseek_v3-tp2"]["flags"] = ["sp", "bias"]
     runs = save_then_resume(jobs, tmp_path)

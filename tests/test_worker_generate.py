@@ -210,7 +210,7 @@ def test_the_kv_cache_is_gone_after_a_call_and_generation_needs_the_params(folde
     assert w.generate(data=prompts(), greedy=True)["output_ids"].shape[0] == 4
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3", "gpt_oss"])
 def test_moe_generation_records_its_routes_and_replaying_them_scores_the_same(tmp_path, arch):
     from transformers import AutoModelForCausalLM
 

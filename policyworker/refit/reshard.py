@@ -152,15 +152,16 @@ class ReshardGroup:
     def _plan(
         self, params: dict[str, torch.Tensor], shape: ModelShape
     ) -> Iterator[tuple[str, Mapping, list[Piece], tuple[int, int] | None]]:
-        """(name, mapping, pieces, owners) of every TP-sharded weight, the same on every member
+        """(name, mapping, pieces, owners) of every TP-sharded weight and routed expert's tensor
+        (one whole from expert-TP rank 0 where it is not split), the same on every member
         (another EP rank's expert is sized by this rank's of the same slot); `owners`: a routed
         expert's EP rank on the source side and on the destination side, else None."""
         me, experts = self.me, shape.moe.num_experts if shape.moe else 0
         split = ExpertSplit(me.ep_rank, me.ep_size, experts // me.ep_size)
         for m in mappings(shape, me.tp_size):
             e = split.expert(m.mcore)
-            if m.tp_dim is None:
-                continue
+            if m.tp_dim is None and e is None:
+                continue  # in `_replicated`
             if e is None:
                 local = params[m.mcore].shape[m.tp_dim]
                 yield (
@@ -170,9 +171,13 @@ class ReshardGroup:
                     None,
                 )
                 continue
+            owners = (e // (experts // self.src_ep), e // (experts // self.dst_ep))
+            if m.tp_dim is None:  # whole on every expert-TP rank (gpt-oss's fc2 bias)
+                whole = params[split.stand_in(m.mcore)].shape[0]
+                yield m.mcore, m, [Piece(0, j, 0, 0, whole) for j in range(self.dst_etp)], owners
+                continue
             local = params[split.stand_in(m.mcore)].shape[m.tp_dim]
             plan = pieces(m, shape, self.src_etp, self.dst_etp, local, me.etp_size)
-            owners = (e // (experts // self.src_ep), e // (experts // self.dst_ep))
             yield m.mcore, m, plan, owners
 
     def refit(
@@ -203,7 +208,7 @@ class ReshardGroup:
             self._replicated(params, target, shape)
             tag = 0
             for name, m, plan, owners in self._plan(params, shape):
-                move = Move(params.get(name), target.get(name), m.tp_dim, owners)  # type: ignore[arg-type]
+                move = Move(params.get(name), target.get(name), m.tp_dim or 0, owners)
                 tag = self._move(move, plan, tag, bool(use_checksum))
         except RefitError as e:
             if staging is None:
@@ -221,10 +226,11 @@ class ReshardGroup:
         self, params: dict[str, torch.Tensor], target: dict[str, torch.Tensor], shape: ModelShape
     ) -> None:
         """Every replicated weight in one flat broadcast from refit rank 0."""
+        experts = ExpertSplit(0, 1, 1)  # which names are routed experts' (any split says)
         names = [
             m.mcore
             for m in mappings(shape, self.me.tp_size)
-            if m.tp_dim is None and m.mcore in params
+            if m.tp_dim is None and m.mcore in params and experts.expert(m.mcore) is None
         ]
         if not names:
             return
