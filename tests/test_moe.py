@@ -211,8 +211,9 @@ def _expert_moments(worker) -> list[torch.Tensor]:
             for k in ("exp_avg", "exp_avg_sq")]  # fmt: skip
 
 
-def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path):
-    worker = make_worker(_model(tmp_path, "mixtral"))
+@pytest.mark.parametrize("case", ["mixtral", "gpt_oss"])
+def test_memory_phases_move_experts_and_bring_them_back_exactly(tmp_path, case):
+    worker = make_worker(_model(tmp_path, case))
     worker.train(make_batch(batch=4, seq=12), NLLLoss())
     before = _params(worker)
     worker.offload_after_refit()

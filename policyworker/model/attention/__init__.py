@@ -6,6 +6,8 @@
                  protocol each layout calls
     kernels.py   `Exact` (CPU, fp32), `Flash` (a GPU in half precision), `ByRows`
                  (batch-invariant scoring)
+    masked.py    a layer's softmax: `Causal` (the phase's kernels) or `Masked` (a sliding
+                 window and/or learned sinks: gpt-oss), chosen when the layer is built
     rotary.py    RoPE with HF's frequencies
     cache.py     the KV cache: storage only
     cached.py    `Generating`, the phase over a KV cache, and its prefill/decode kernels
