@@ -27,14 +27,9 @@ from policyworker.generation.sampler import Sampler
 from policyworker.memory.residency import Residency
 from policyworker.model.balance import balance_of
 from policyworker.model.build import build_gpt_model, global_named_weights
-from policyworker.model.hf_config import (
-    ModelShape,
-    check_layout,
-    check_sliding_window,
-    load_hf_config,
-    model_shape,
-)
+from policyworker.model.hf_config import ModelShape, load_hf_config, model_shape
 from policyworker.model.latent import DuplicatedLinear
+from policyworker.model.layout_checks import check_layout, check_sliding_window
 from policyworker.model.paths import ForwardPaths, choose_paths
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.routers import Routers

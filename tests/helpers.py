@@ -25,6 +25,7 @@ ARCHS = {
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
 }
 MOE = {
     "qwen3_moe": dict(
@@ -58,6 +59,13 @@ MOE = {
         sliding_window=5, num_hidden_layers=4,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
                              beta_slow=1.0, truncate=False, original_max_position_embeddings=32),
+    ),
+    # three Gated DeltaNet layers, then gated full attention (q/k norms, RoPE on a quarter of
+    # each head); 2 key heads repeated to 4 value heads; zero-centered norms
+    "qwen3_5": dict(
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=4,
+        architectures=["Qwen3_5ForCausalLM"],
     ),
 }  # fmt: skip
 

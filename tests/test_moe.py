@@ -539,7 +539,7 @@ def test_tokens_per_expert_count_every_real_token_once(tmp_path, how):
 
 def test_layouts_an_moe_model_cannot_take_are_refused(tmp_path):
     from policyworker.config import MoEConfig, ParallelConfig
-    from policyworker.model.hf_config import check_layout
+    from policyworker.model.layout_checks import check_layout
 
     shape = model_shape(transformers.AutoConfig.from_pretrained(_model(tmp_path, "mixtral")))
     dense = model_shape(transformers.AutoConfig.from_pretrained(make_hf_model(tmp_path / "d")))

@@ -103,7 +103,8 @@ def test_recompute_options_are_checked(change, match):
 def test_more_layers_per_checkpoint_than_a_stage_holds_is_refused(llama_dir):
     """Up front, naming the key (the model has 2 layers), before any worker is built."""
     from policyworker.config import ParallelConfig
-    from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
+    from policyworker.model.hf_config import load_hf_config, model_shape
+    from policyworker.model.layout_checks import check_layout
 
     shape = model_shape(load_hf_config(llama_dir))
     too_many = RecomputeConfig(activation_checkpointing=True, recompute_num_layers=3)

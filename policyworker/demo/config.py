@@ -21,7 +21,8 @@ from policyworker.demo.task import (
 )
 from policyworker.generation.engine import encode_prompt
 from policyworker.losses.clipped_pg import ClippedPGConfig
-from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
+from policyworker.model.hf_config import load_hf_config, model_shape
+from policyworker.model.layout_checks import check_layout
 from policyworker.model.weights import check_hf_folder
 from policyworker.parallel.dims import ParallelDims
 

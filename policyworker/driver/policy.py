@@ -33,7 +33,8 @@ from policyworker.driver.group import WorkerGroup
 from policyworker.driver.local import LocalGroup, local_envs
 from policyworker.interface import PolicyCalls
 from policyworker.losses.common import Loss
-from policyworker.model.hf_config import check_layout, load_hf_config, model_shape
+from policyworker.model.hf_config import load_hf_config, model_shape
+from policyworker.model.layout_checks import check_layout
 from policyworker.ops.sampling import pad_token
 from policyworker.parallel.dims import ParallelDims
 

@@ -51,7 +51,8 @@ from policyworker.model.chunked_mlp import ChunkedMLP
 from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
 from policyworker.model.hf_config import LatentShape, ModelShape, MoEShape
 from policyworker.model.latent import DuplicatedLinear, LatentNorm
-from policyworker.model.norm import RMSNorm
+from policyworker.model.linear_attention import GatedDeltaNet
+from policyworker.model.norm import RMSNorm, ZeroCenteredRMSNorm
 from policyworker.model.paths import ForwardPaths
 from policyworker.model.rope_scaling import rope_frequencies
 from policyworker.ops.logprobs import Head
@@ -84,6 +85,7 @@ def transformer_config(
         add_bias_linear=shape.arch.linear_bias,
         add_qkv_bias=shape.arch.qkv_bias,
         softmax_type="learnable" if shape.sinks else "vanilla",
+        attention_output_gate=shape.arch.output_gate,
         qk_layernorm=shape.arch.qk_norm or shape.latent is not None,  # MLA: the latents' norms
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -184,41 +186,50 @@ def moe_fields(moe: MoEShape | None, cfg: MoEConfig) -> dict[str, Any]:
 
 
 def layer_spec(
-    *,
-    qk_norm: bool,
-    moe_layers: tuple[bool, ...],
-    num_experts: int,
-    grouped: bool = False,
-    latent: LatentShape | None = None,
-    windows: tuple[int, ...] = (),
+    shape: ModelShape, layers: range, *, grouped: bool = False
 ) -> TransformerBlockSubmodules:
-    """Pre-norm decoder layers of megatron modules, one per entry of `moe_layers` (an MoE layer
-    of `num_experts` experts where True, a dense MLP where False), plus the final norm.
-    `grouped`: the experts run on grouped GEMMs (`GroupedExperts`), not SequentialMLP's loop, in a
-    `GroupedMoELayer` (no host sync per layer where every expert is local). `latent`: multi-head
-    latent attention (megatron's MLASelfAttention) instead of self-attention. `windows`: each
-    layer's sliding window (0: none; empty: none anywhere)."""
-    mlp = None
-    if any(moe_layers):
-        mlp = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
-    if mlp is not None and grouped:  # the same submodules, GroupedExperts in SequentialMLP's place
-        parts = mlp.keywords["submodules"]
-        experts = partial(GroupedExperts, **parts.experts.keywords)
-        mlp = partial(GroupedMoELayer, submodules=replace(parts, experts=experts))
-    layers = []
-    for is_moe, window in zip(moe_layers, windows or (0,) * len(moe_layers), strict=True):
-        layer = _dense_layer(qk_norm=qk_norm, latent=latent, window=window)
-        if is_moe:
-            layer = ModuleSpec(
-                module=TransformerLayer, submodules=replace(layer.submodules, mlp=mlp)
-            )
-        layers.append(layer)
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+    """Pre-norm decoder layers of megatron modules for `layers` of `shape` (a pipeline stage's),
+    plus the final norm. Per layer: its attention (self-attention with our core attention and
+    its sliding window; multi-head latent attention; or a Gated DeltaNet layer) and its MLP (an
+    MoE layer of megatron's modules, or a dense one). `grouped`: the experts run on grouped
+    GEMMs (`GroupedExperts`), not SequentialMLP's loop, in a `GroupedMoELayer` (no host sync per
+    layer where every expert is local). The norms are zero-centered where the family's are."""
+    norm = ZeroCenteredRMSNorm if shape.arch.zero_centered_norm else RMSNorm
+    dense = partial(
+        ChunkedMLP.as_mlp_submodule,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
+    moe: Any = None
+    if shape.moe is not None:
+        moe = get_moe_module_spec(
+            use_te=False, num_experts=shape.moe.num_experts, moe_grouped_gemm=False
+        )
+    if moe is not None and grouped:  # the same submodules, GroupedExperts in SequentialMLP's
+        parts = moe.keywords["submodules"]
+        grouped_experts = partial(GroupedExperts, **parts.experts.keywords)
+        moe = partial(GroupedMoELayer, submodules=replace(parts, experts=grouped_experts))
+    specs = []
+    for i in layers:
+        is_moe = shape.moe is not None and shape.moe.layers[i]
+        parts = TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=_mixer(shape, i, norm),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=moe if is_moe else dense,
+            mlp_bda=get_bias_dropout_add,
+        )
+        specs.append(ModuleSpec(module=TransformerLayer, submodules=parts))
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)
 
 
-def _attention(*, qk_norm: bool, latent: LatentShape | None, window: int = 0) -> ModuleSpec:
-    """Self-attention of megatron's modules with our core attention; or multi-head latent
-    attention (down-projections to the latents, their norms, up-projections)."""
+def _mixer(shape: ModelShape, i: int, norm: type) -> ModuleSpec:
+    """Layer `i`'s token mixer: a Gated DeltaNet layer, multi-head latent attention (down-
+    projections to the latents, their norms, up-projections) or self-attention of megatron's
+    modules with our core attention (its window, if any)."""
+    if shape.linear_layers and shape.linear_layers[i]:
+        return ModuleSpec(module=GatedDeltaNet, params={"shape": shape.delta_net})
+    latent = shape.latent
     if latent is not None:
         return ModuleSpec(
             module=MLASelfAttention,
@@ -235,7 +246,8 @@ def _attention(*, qk_norm: bool, latent: LatentShape | None, window: int = 0) ->
                 kv_layernorm=LatentNorm,
             ),
         )
-    qk = RMSNorm if qk_norm else IdentityOp
+    qk = norm if shape.arch.qk_norm else IdentityOp
+    window = shape.windows[i] if shape.windows else 0
     core = partial(CoreAttention, window=window) if window else CoreAttention
     return ModuleSpec(
         module=SelfAttention,
@@ -246,25 +258,6 @@ def _attention(*, qk_norm: bool, latent: LatentShape | None, window: int = 0) ->
             linear_proj=RowParallelLinear,
             q_layernorm=qk,
             k_layernorm=qk,
-        ),
-    )
-
-
-def _dense_layer(*, qk_norm: bool, latent: LatentShape | None, window: int = 0) -> ModuleSpec:
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=RMSNorm,
-            self_attention=_attention(qk_norm=qk_norm, latent=latent, window=window),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=RMSNorm,
-            mlp=partial(
-                ChunkedMLP.as_mlp_submodule,
-                submodules=MLPSubmodules(
-                    linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear
-                ),
-            ),
-            mlp_bda=get_bias_dropout_add,
         ),
     )
 
@@ -299,15 +292,7 @@ def build_gpt_model(
     )
     # This pipeline stage's share of the layers, as megatron splits them.
     first, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
-    moe_layers = shape.moe.layers if shape.moe else (False,) * shape.num_layers
-    spec = layer_spec(
-        qk_norm=shape.arch.qk_norm,
-        moe_layers=moe_layers[first : first + count],
-        num_experts=shape.moe.num_experts if shape.moe else 0,
-        grouped=moe.moe_grouped_gemm,
-        latent=shape.latent,
-        windows=shape.windows[first : first + count],
-    )
+    spec = layer_spec(shape, range(first, first + count), grouped=moe.moe_grouped_gemm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

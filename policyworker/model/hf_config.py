@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from policyworker.config import MoEConfig, ParallelConfig, RecomputeConfig
 from policyworker.model.errors import UnsupportedModelError
 from policyworker.model.rope_scaling import rope_parameters, rope_type, softmax_mscale
 from policyworker.model.router_rules import RouterRule, Sigmoid, Softmax
@@ -28,6 +27,10 @@ class ArchSpec:
     """Whether queries and keys are RMS-normalized per head before RoPE (Qwen3)."""
     linear_bias: bool = False
     """Biases on every linear layer: q/k/v, o, the router and the experts (gpt-oss)."""
+    output_gate: bool = False
+    """Attention's output times sigmoid of a gate its q_proj also makes (Qwen3.5)."""
+    zero_centered_norm: bool = False
+    """Norm weights stored as offsets from 1: x · (1 + w) (Qwen3.5)."""
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -45,17 +48,21 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "DeepseekV3ForCausalLM": ArchSpec(qkv_bias=False, qk_norm=False),
     # attention sinks, sliding-window layers, the clamped SwiGLU, fused experts on disk
     "GptOssForCausalLM": ArchSpec(qkv_bias=True, qk_norm=False, linear_bias=True),
+    # Gated DeltaNet layers beside gated full attention (`DeltaNetShape`)
+    "Qwen3_5ForCausalLM": ArchSpec(
+        qkv_bias=False, qk_norm=True, output_gate=True, zero_centered_norm=True
+    ),
 }
 CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 """Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
 `use_qk_norm` adds per-head q/k norms."""
 
 NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
-    "Qwen3_5ForCausalLM": "Qwen3.5 (gated DeltaNet linear attention)",
     "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (gated DeltaNet linear attention)",
     "Qwen3NextForCausalLM": "Qwen3-Next (gated DeltaNet linear attention)",
 }
 GPT_OSS = "GptOssForCausalLM"
+QWEN3_5 = "Qwen3_5ForCausalLM"
 GPT_OSS_SWIGLU = (1.702, 7.0)
 """gpt-oss's SwiGLU: (alpha, limit), constants in transformers' `GptOssExperts`."""
 
@@ -99,6 +106,22 @@ class LatentShape:
 
 
 @dataclass(frozen=True, slots=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's dimensions (`linear_*` of the HF config: Qwen3.5)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """q, k and v: the channels the causal conv runs over."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelShape:
     """The dimensions of a dense decoder, read once from the HF config."""
 
@@ -131,6 +154,10 @@ class ModelShape:
     swiglu_clamp: float = 0.0
     """gpt-oss's SwiGLU (0: plain silu(gate) * up): gate and up clamped to this limit,
     gate * sigmoid(1.702 gate) * (up + 1)."""
+    delta_net: DeltaNetShape | None = None
+    """The linear-attention layers' dimensions (Qwen3.5); None: none."""
+    linear_layers: tuple[bool, ...] = ()
+    """Per layer: a Gated DeltaNet layer (True) or full attention (False); empty: none."""
 
     @property
     def heads_per_group(self) -> int:
@@ -225,7 +252,29 @@ def model_shape(hf_config: Any) -> ModelShape:
         rotary_offset=offset,
         latent=latent,
         **(_gpt_oss_fields(hf_config) if name == GPT_OSS else {}),
+        **(_delta_net_fields(hf_config) if name == QWEN3_5 else {}),
     )
+
+
+def _delta_net_fields(hf_config: Any) -> dict[str, Any]:
+    """Qwen3.5's hybrid pattern and its linear layers' dimensions."""
+    kinds = {"linear_attention": True, "full_attention": False}
+    unknown = sorted(set(hf_config.layer_types) - set(kinds))
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {unknown}: not supported")
+    shape = DeltaNetShape(
+        key_heads=hf_config.linear_num_key_heads,
+        value_heads=hf_config.linear_num_value_heads,
+        key_dim=hf_config.linear_key_head_dim,
+        value_dim=hf_config.linear_value_head_dim,
+        conv_kernel=hf_config.linear_conv_kernel_dim,
+    )
+    if shape.value_heads % shape.key_heads:
+        raise UnsupportedModelError(
+            f"linear_num_value_heads={shape.value_heads}: expected a multiple of "
+            f"linear_num_key_heads={shape.key_heads}"
+        )
+    return dict(delta_net=shape, linear_layers=tuple(kinds[k] for k in hf_config.layer_types))
 
 
 def _gpt_oss_fields(hf_config: Any) -> dict[str, Any]:
@@ -284,9 +333,9 @@ def partial_rotary_factor(hf_config: Any) -> float:
 
 
 def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
-    """The experts of a Mixtral / Qwen2-MoE / Qwen3-MoE config (None for a dense decoder)."""
+    """The experts of an MoE config (None for a dense decoder)."""
     layers = hf_config.num_hidden_layers
-    if name == "MixtralForCausalLM":
+    if name in ("MixtralForCausalLM", GPT_OSS):  # every layer; the top k's logits softmaxed
         if getattr(hf_config, "router_jitter_noise", 0.0):
             raise UnsupportedModelError("router_jitter_noise > 0 is not supported")
         return MoEShape(
@@ -298,14 +347,6 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
         )
     if name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_shape(hf_config)
-    if name == GPT_OSS:  # a biased router; the top k's logits softmaxed
-        return MoEShape(
-            num_experts=hf_config.num_local_experts,
-            top_k=hf_config.num_experts_per_tok,
-            expert_ffn_size=hf_config.intermediate_size,
-            rule=Softmax(normalize=True),
-            layers=(True,) * layers,
-        )
     if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
@@ -344,104 +385,3 @@ def _sigmoid_moe_shape(hf_config: Any) -> MoEShape:
         layers=tuple(i >= dense for i in range(hf_config.num_hidden_layers)),
         shared_expert_ffn_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0),
     )
-
-
-def check_sliding_window(hf_config: Any, max_seq_len: int) -> None:
-    """Sliding windows are read from `layer_types` for gpt-oss only (`ModelShape.windows`);
-    another family's window is refused where sequences would need it."""
-    if GPT_OSS in (getattr(hf_config, "architectures", None) or []):
-        return
-    window = getattr(hf_config, "sliding_window", None)
-    enabled = getattr(hf_config, "use_sliding_window", True)
-    if window is not None and enabled and window < max_seq_len:
-        raise UnsupportedModelError(
-            f"sliding_window={window} is smaller than max_total_sequence_length={max_seq_len}; "
-            "sliding-window attention is not supported"
-        )
-
-
-def check_layout(
-    parallel: ParallelConfig,
-    shape: ModelShape,
-    moe: MoEConfig | None = None,
-    recompute: RecomputeConfig | None = None,
-) -> None:
-    """Refuse a layout this model cannot be split into, naming the config field.
-
-    TP splits the heads, query groups and ffn (the vocabulary is padded to a multiple of TP);
-    PP the layers; EP the experts and ETP each expert's ffn. Full recompute's layer count fits
-    in a pipeline stage.
-    """
-    field = "parallel.{}_size".format
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    _check_experts(parallel, shape, moe or MoEConfig())
-    if parallel.sequence_parallel and tp == 1:
-        raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
-    if shape.moe is not None and tp > 1 and not parallel.sequence_parallel:
-        raise ValueError(  # megatron-core refuses MoE with TP alone
-            "parallel.sequence_parallel: expected true for an MoE model with "
-            f"tensor_model_parallel_size={tp}"
-        )
-    tp_split = {
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "intermediate_size": shape.ffn_hidden_size,
-    }
-    if shape.moe is not None:
-        tp_split["moe_intermediate_size"] = shape.moe.expert_ffn_size
-        tp_split["shared_expert_intermediate_size"] = shape.moe.shared_expert_ffn_size
-    for name, size in tp_split.items():
-        if size % tp:
-            raise ValueError(
-                f"{field('tensor_model_parallel')}: expected a divisor of {name}={size}, got {tp}"
-            )
-    if shape.num_layers % pp:
-        raise ValueError(
-            f"{field('pipeline_model_parallel')}: expected a divisor of "
-            f"num_layers={shape.num_layers}, got {pp}"
-        )
-    r, per_stage = recompute or RecomputeConfig(), shape.num_layers // pp
-    full = r.activation_checkpointing and r.recompute_granularity == "full"
-    if full and r.recompute_num_layers > per_stage:
-        raise ValueError(
-            f"recompute.recompute_num_layers: expected at most the {per_stage} layers of a "
-            f"pipeline stage, got {r.recompute_num_layers}"
-        )
-
-
-def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) -> None:
-    field = "parallel.{}_size".format
-    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
-    if shape.moe is None:
-        for name, size in (("expert_model_parallel", ep), ("expert_tensor_parallel", etp)):
-            if size != 1:
-                raise ValueError(f"{field(name)}: expected 1 (a dense model), got {size}")
-        if moe.router_replay:
-            raise ValueError("moe.router_replay: expected false (a dense model has no routers)")
-        return
-    if shape.moe.num_experts % ep:
-        raise ValueError(
-            f"{field('expert_model_parallel')}: expected a divisor of "
-            f"num_experts={shape.moe.num_experts}, got {ep}"
-        )
-    # megatron adds an expert's fc2 bias on each expert-TP rank before their partial sums meet:
-    # not built here
-    if etp > 1 and shape.arch.linear_bias:
-        raise ValueError(
-            f"{field('expert_tensor_parallel')}: expected 1 for experts with biases, got {etp}"
-        )
-    if shape.moe.expert_ffn_size % etp:
-        raise ValueError(
-            f"{field('expert_tensor_parallel')}: expected a divisor of the experts' "
-            f"intermediate size {shape.moe.expert_ffn_size}, got {etp}"
-        )
-    if moe.moe_token_dispatcher_type == "allgather":
-        # It all-gathers equal shares of tokens; micro-batches are trimmed to their own longest
-        # row, so pipeline stages and EP ranks (other data) see different lengths.
-        for name, size in (("pipeline_model_parallel", parallel.pipeline_model_parallel_size),
-                           ("expert_model_parallel", ep)):  # fmt: skip
-            if size > 1:
-                raise ValueError(
-                    f"moe.moe_token_dispatcher_type: expected alltoall with {field(name)}="
-                    f"{size}, got allgather"
-                )

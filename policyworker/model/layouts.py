@@ -69,6 +69,30 @@ class QKV(Copy):
 
 
 @dataclass(frozen=True, slots=True)
+class GatedQKV(Copy):
+    """q (with its output gate), k, v projections fused per query group as megatron's gated
+    attention (`attention_output_gate`) holds them: `[q heads, their gates, k, v]` per group.
+    HF's q_proj gives each head's query, then its gate (Qwen3.5)."""
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        q_gate, k, v = tensors
+        ng, hd, rest = shape.num_kv_heads, shape.head_dim, q_gate.shape[1:]
+        pairs = q_gate.reshape(shape.num_heads, 2, hd, *rest)
+        q, gate = (pairs[:, j].reshape(ng, shape.heads_per_group * hd, *rest) for j in (0, 1))
+        parts = [q, gate, k.reshape(ng, hd, *rest), v.reshape(ng, hd, *rest)]
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        ng, hd, hpg = shape.num_kv_heads, shape.head_dim, shape.heads_per_group
+        rest = tensor.shape[1:]
+        grouped = tensor.reshape(ng, (2 * hpg + 2) * hd, *rest)
+        q, gate, k, v = grouped.split([hpg * hd, hpg * hd, hd, hd], dim=1)
+        heads = [x.reshape(shape.num_heads, 1, hd, *rest) for x in (q, gate)]
+        q_gate = torch.cat(heads, dim=1).reshape(-1, *rest)
+        return [q_gate, k.reshape(-1, *rest), v.reshape(-1, *rest)]
+
+
+@dataclass(frozen=True, slots=True)
 class GateUp(Copy):
     """`linear_fc1 = [gate; up]`; each TP rank holds `[gate_r; up_r]`."""
 

@@ -26,3 +26,19 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """Qwen3.5's and Qwen3-Next's norm: the weight stored as an offset from 1 (initialized to
+    zeros), x normalized in fp32 times (1 + weight) in fp32, then cast (transformers'
+    `Qwen3_5RMSNorm`)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(config, hidden_size, eps)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)

@@ -39,6 +39,8 @@ from policyworker.model.attention.layout import Kernels
 from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
+from policyworker.model.errors import UnsupportedModelError
+from policyworker.model.linear_attention import GatedDeltaNet
 from policyworker.model.rope_scaling import RopeFrequencies
 from policyworker.ops.compiled import triton_on
 
@@ -79,6 +81,8 @@ class ForwardPaths:
         self.mlp_chunk_tokens: int | None = None
         """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
         runs them whole."""
+        self.recurrent = False
+        """Whether the model has Gated DeltaNet layers (their state cache is not built yet)."""
 
     def install(
         self,
@@ -101,6 +105,8 @@ class ForwardPaths:
                 self.latents[module.core_attention.number] = LatentLayer.of(module)
             elif isinstance(module, ChunkedMLP):
                 self.mlps.append(module)
+            elif isinstance(module, GatedDeltaNet):
+                self.recurrent = True
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
     @contextlib.contextmanager
@@ -113,6 +119,11 @@ class ForwardPaths:
     def generating(self, model: torch.nn.Module, capacity: int) -> Iterator[Generating]:
         """The generating phase over a fresh KV cache of `capacity` positions per row, and
         generation's matmul rows, until exit (the cache is dropped then)."""
+        if self.recurrent:
+            raise UnsupportedModelError(
+                "generate: not supported yet for models with Gated DeltaNet (linear-attention) "
+                "layers: their recurrent-state cache is not built"
+            )
         g = self.generation
         if self.latents:  # latent attention: a cache of latents (`attention/latent_cache.py`)
             phase: Generating = LatentGenerating(

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from policyworker.model.experts import ExpertSplit, expert_shapes, fused_source, moe_mappings
 from policyworker.model.fused_experts import fuse
 from policyworker.model.hf_config import ModelShape
-from policyworker.model.layouts import QKV, Copy, GateUp, Mapping, RopeRows, VocabRows
+from policyworker.model.layouts import QKV, Copy, GatedQKV, GateUp, Mapping, RopeRows, VocabRows
 from policyworker.parallel.dims import Groups
 
 __all__ = ["QKV", "Copy", "GateUp", "Mapping", "VocabRows", "mappings"]
@@ -54,26 +54,44 @@ def _latent_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:
 
 def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-    attn = f"{h}self_attn."
     out: list[Mapping] = [Copy(m + "input_layernorm.weight", (h + "input_layernorm.weight",), None)]
-    if shape.latent is not None:
-        out += _latent_mappings(m, attn, shape)
+    if shape.linear_layers and shape.linear_layers[i]:
+        out += _delta_net_mappings(m + "self_attention.", h + "linear_attn.")
     else:
-        out += _attention_mappings(m, attn, shape)
-    out.append(Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1))
-    if shape.arch.linear_bias:
-        out.append(Copy(m + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), None))
-    if shape.sinks:
-        out.append(Copy(m + "self_attention.core_attention.softmax_offset", (attn + "sinks",), 0))
+        out += _self_attention_mappings(m, h + "self_attn.", shape)
     out.append(Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None))
     if shape.moe is not None and shape.moe.layers[i]:
         return out + moe_mappings(i, shape)
     return out + _dense_mlp(m, h)
 
 
+def _self_attention_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:
+    out = _latent_mappings(m, attn, shape) if shape.latent else _attention_mappings(m, attn, shape)
+    out.append(Copy(m + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), 1))
+    if shape.arch.linear_bias:
+        out.append(Copy(m + "self_attention.linear_proj.bias", (attn + "o_proj.bias",), None))
+    if shape.sinks:
+        out.append(Copy(m + "self_attention.core_attention.softmax_offset", (attn + "sinks",), 0))
+    return out
+
+
+def _delta_net_mappings(a: str, hf: str) -> list[Mapping]:
+    """A Gated DeltaNet layer's (`model/linear_attention.py`; one TP rank for now)."""
+    same = {"linear_qkv.weight": "in_proj_qkv.weight", "linear_z.weight": "in_proj_z.weight",
+            "linear_b.weight": "in_proj_b.weight", "linear_a.weight": "in_proj_a.weight",
+            "conv_weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias"}  # fmt: skip
+    out: list[Mapping] = [Copy(a + ours, (hf + theirs,), 0) for ours, theirs in same.items()]
+    out += [
+        Copy(a + "norm_weight", (hf + "norm.weight",), None),
+        Copy(a + "linear_proj.weight", (hf + "out_proj.weight",), 1),
+    ]
+    return out
+
+
 def _attention_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:
+    qkv = GatedQKV if shape.arch.output_gate else QKV
     out: list[Mapping] = [
-        QKV(
+        qkv(
             m + "self_attention.linear_qkv.weight",
             tuple(f"{attn}{p}_proj.weight" for p in "qkv"),
             0,

@@ -1,0 +1,133 @@
+"""Qwen3.5 (dense): Gated DeltaNet linear-attention layers beside gated full attention, from
+Hugging Face — the gated delta rule against transformers' reference implementation, logprobs,
+top-k and a loss's gradients against transformers (fp32), packing, recompute, chunking, export;
+what is not built yet is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import make_worker
+from helpers import hf_logprobs, make_batch, make_hf_model
+from test_moe import _hf_grads, _hf_rows, _worker_grads
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from policyworker.config import ParallelConfig, RecomputeConfig, SequencePackingConfig
+from policyworker.model.errors import UnsupportedModelError
+from policyworker.model.hf_config import DeltaNetShape, model_shape
+from policyworker.model.layout_checks import check_layout
+from policyworker.ops import gated_delta
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_hf_model(tmp_path_factory.mktemp("qwen3_5") / "m", "qwen3_5")
+
+
+def _inputs(b=2, s=150, h=4, dk=16, dv=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(b, s, h, dk, generator=g), torch.randn(b, s, h, dk, generator=g)
+    v = torch.randn(b, s, h, dv, generator=g)
+    decay = -torch.rand(b, s, h, generator=g) * 0.5
+    return q, k, v, decay, torch.rand(b, s, h, generator=g)
+
+
+def test_the_gated_delta_rule_is_transformers_reference_and_carries_its_state():
+    """Chunked (150 tokens: two chunks and a padded third) and token by token, bitwise
+    transformers' reference functions; a sequence split in two calls, the state handed over,
+    gives the whole call's outputs and state; packed sequences each start from zero."""
+    q, k, v, g, beta = _inputs()
+    want, want_state = hf.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    out, state = gated_delta.chunked(q, k, v, g, beta)
+    assert torch.equal(out, want) and torch.equal(state, want_state)
+    step = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    rec, rec_state = gated_delta.recurrent(q, k, v, g, beta)
+    assert torch.equal(rec, step[0]) and torch.equal(rec_state, step[1])
+    assert (rec - out).abs().max() <= 1e-5  # the two forms of one recurrence
+    cut = 70
+    first, mid = gated_delta.chunked(*(x[:, :cut] for x in (q, k, v, g, beta)))
+    second, last = gated_delta.chunked(*(x[:, cut:] for x in (q, k, v, g, beta)), initial=mid)
+    assert (torch.cat([first, second], dim=1) - out).abs().max() <= 1e-5
+    assert (last - state).abs().max() <= 1e-5
+    row = [x[:1] for x in (q, k, v, g, beta)]  # one row holding two sequences
+    packed = gated_delta.packed(*row, cu_seqlens=[0, cut, 150])
+    alone = gated_delta.chunked(*(x[:, cut:] for x in row))[0]
+    assert torch.equal(packed[:, :cut], gated_delta.chunked(*(x[:, :cut] for x in row))[0])
+    assert torch.equal(packed[:, cut:], alone)
+
+
+def test_the_shape_reads_the_hybrid_pattern_and_refuses_what_is_not_built(folder, tmp_path):
+    shape = model_shape(transformers.AutoConfig.from_pretrained(folder))
+    assert shape.linear_layers == (True, True, True, False)
+    assert shape.delta_net == DeltaNetShape(2, 4, 16, 8, 4)
+    assert shape.arch.output_gate and shape.arch.zero_centered_norm and shape.rotary_dim == 4
+    for field, parallel in (
+        ("tensor_model_parallel_size", ParallelConfig(tensor_model_parallel_size=2)),
+        ("context_parallel_size", ParallelConfig(context_parallel_size=2)),
+    ):
+        with pytest.raises(ValueError, match=f"parallel.{field}: expected 1 with Gated DeltaNet"):
+            check_layout(parallel, shape)
+    for architecture in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+        with pytest.raises(UnsupportedModelError, match="not supported yet"):
+            model_shape(transformers.PretrainedConfig(architectures=[architecture]))
+    worker = make_worker(folder, generation={"max_new_tokens": 2, "stop_token_ids": []})
+    with pytest.raises(UnsupportedModelError, match="generate: not supported yet"):
+        worker.generate(data=make_batch(batch=2, seq=6), greedy=True)
+
+
+def test_logprobs_topk_and_gradients_equal_transformers(folder):
+    worker = make_worker(folder, logprob_batch_size=2)
+    data = make_batch(batch=5, seq=20, lengths=[20, 7, 13, 1, 16])
+    ours = worker.get_logprobs(data=data)["logprobs"]
+    assert (ours - hf_logprobs(folder, data)).abs().max().item() <= 1e-5
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        vals, idx = model(data["input_ids"]).logits.topk(4, dim=-1)
+    out = worker.get_topk_logits(data=data, k=4)
+    valid = torch.arange(20)[None, :] < data["input_lengths"][:, None]
+    assert (out["topk_logits"] - vals * valid[..., None]).abs().max() <= 1e-5
+    assert torch.equal(out["topk_indices"][valid], idx[valid])
+    batch = make_batch(batch=4, seq=12)
+    ref = _hf_grads(folder, batch)
+    grads = _worker_grads(make_worker(folder), batch)
+    assert any(".linear_attn." in n for n in grads)
+    for name, g in grads.items():
+        want = _hf_rows(ref, name)
+        # A_log's gradient is ~1e-5 at most (most decays exp(g) are near 0): an absolute floor
+        scale = want.abs().max().clamp_min(1e-4)
+        assert ((g - want).abs().max() / scale).item() <= 1e-5, name
+
+
+def test_packing_recompute_and_chunking_equal_plain(folder):
+    """Packed sequences (the conv and the recurrence restart at each boundary), recomputed
+    layers and chunked scoring give the plain results."""
+    data = make_batch(batch=4, seq=14, lengths=[14, 5, 9, 12])
+    plain = make_worker(folder)
+    want = plain.get_logprobs(data=data)["logprobs"]
+    packing = SequencePackingConfig(enabled=True, logprob_mb_tokens=64, train_mb_tokens=64)
+    packed = make_worker(folder, sequence_packing=packing)
+    assert (packed.get_logprobs(data=data)["logprobs"] - want).abs().max() <= 1e-5
+    chunked = make_worker(folder, logprob_chunk_size=5)
+    assert (chunked.get_logprobs(data=data)["logprobs"] - want).abs().max() <= 1e-6
+    grads = _worker_grads(plain, data)
+    full = RecomputeConfig(activation_checkpointing=True)
+    for other in (make_worker(folder, recompute=full), packed):
+        got = _worker_grads(other, data)
+        for name, g in grads.items():
+            scale = g.abs().max().clamp_min(1e-4)  # A_log's floor (above)
+            assert ((got[name] - g).abs().max() / scale).item() <= 1e-5, name
+
+
+def test_export_reloads_into_transformers(folder, tmp_path):
+    from safetensors.torch import load_file
+
+    worker = make_worker(folder)
+    out = worker.save_hf_pretrained(tmp_path / "export")
+    saved, source = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
+    assert saved.keys() == source.keys()
+    assert all(torch.equal(saved[n], source[n]) for n in source)
