@@ -215,7 +215,7 @@ class _Run:
         device, cache = d.device, phase.cache
         lengths = self.lengths.to(device)
         starts = torch.zeros(b, dtype=torch.long, device=device)
-        phase.begin(Step(starts=starts, keys_used=width, prefill=True))
+        phase.begin(Step(starts=starts, keys_used=width, prefill=True, lengths=lengths))
         padding = torch.arange(width, device=device)[None, :] >= lengths[:, None]
         logits = d.forward(self.ids, phase, lengths - 1, padding)
         self._record_routes(phase, (b, width))

@@ -9,9 +9,11 @@ self-attention slot of a decoder layer (the hybrid pattern is a layer spec per l
     out = linear_proj(RMSNorm(o) · silu(z))  (the norm per value head, HF's gated arithmetic)
 
 The arithmetic is transformers' `Qwen3_5GatedDeltaNet` (the conv in the weight's dtype, the
-decay and the recurrence in fp32). Packed sequences (THD) each run from a zero state and an
-empty conv window: nothing crosses a `cu_seqlens` boundary. One TP rank and no CP yet
-(`hf_config.check_layout` refuses them by name).
+decay and the recurrence in fp32). How the recurrence runs is the phase's, a small type on a
+switch every such layer shares (`ForwardPaths.install`): `Whole` in training and scoring (packed
+sequences (THD) each from a zero state and an empty conv window: nothing crosses a `cu_seqlens`
+boundary), `Cached` in generation (a `StateCache` of each row's conv window and state). One TP
+rank and no CP yet (`layout_checks.check_layout` refuses them by name).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from policyworker.model.attention.core import Switch
 from policyworker.model.hf_config import DeltaNetShape
 from policyworker.ops import gated_delta
 
@@ -68,6 +71,10 @@ class GatedDeltaNet(MegatronModule):
             values, hidden, config=config, init_method=config.output_layer_init_method,
             bias=False, input_is_parallel=True, skip_bias_add=True,
         )  # fmt: skip
+        self.number = layer_number
+        """megatron's layer number (global, from 1): this layer's slot in a state cache."""
+        self.mixing = Switch(Whole())
+        """How the layer runs its recurrence now (`ForwardPaths` installs one shared switch)."""
 
     def forward(
         self,
@@ -81,27 +88,15 @@ class GatedDeltaNet(MegatronModule):
             lin(hidden_states)[0].transpose(0, 1)
             for lin in (self.linear_qkv, self.linear_z, self.linear_b, self.linear_a)
         )  # [b, s, ...]
-        spans = _spans(packed_seq_params, qkv.shape[1])
-        runs = [self._conv(qkv[:, a_:z_]) if z_ > a_ else qkv[:, a_:z_] for a_, z_ in spans]
-        qkv = torch.cat([*runs, qkv[:, spans[-1][1] :]], dim=1)
-        s, heads = self.shape, qkv.shape[:2]
-        keys = s.key_heads * s.key_dim
-        q, k, v = qkv.split([keys, keys, s.value_heads * s.value_dim], dim=-1)
-        q, k = (x.reshape(*heads, s.key_heads, s.key_dim) for x in (q, k))
-        v = v.reshape(*heads, s.value_heads, s.value_dim)
-        if s.value_heads > s.key_heads:
-            q, k = (x.repeat_interleave(s.value_heads // s.key_heads, dim=2) for x in (q, k))
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        if packed_seq_params is None:
-            out = gated_delta.chunked(q, k, v, g, beta)[0]
-        else:
-            out = gated_delta.packed(q, k, v, g, beta, [a_ for a_, _ in spans] + [spans[-1][1]])
+        out = self.mixing.now.mix(self, qkv, g, beta, packed_seq_params)
+        s, heads = self.shape, qkv.shape[:2]
         out = self._gated_norm(out, z.reshape(*heads, s.value_heads, s.value_dim))
         out, bias = self.linear_proj(out.reshape(*heads, -1).transpose(0, 1))
         return out, bias
 
-    def _conv(self, x: torch.Tensor) -> torch.Tensor:
+    def conv(self, x: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv and silu over one run of tokens [b, s, c] (transformers'
         `causal_conv1d_fn`: in the weight's dtype, back to x's)."""
         seq = x.shape[1]
@@ -110,6 +105,17 @@ class GatedDeltaNet(MegatronModule):
             x.transpose(1, 2).to(w.dtype), w, padding=w.shape[-1] - 1, groups=w.shape[0]
         )[..., :seq]
         return F.silu(out).to(x.dtype).transpose(1, 2)
+
+    def heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [b, s, c] -> q, k [b, s, value heads, key_dim] (the key heads
+        repeated), v [b, s, value heads, value_dim]."""
+        s, lead = self.shape, mixed.shape[:2]
+        keys = s.key_heads * s.key_dim
+        q, k, v = mixed.split([keys, keys, s.value_heads * s.value_dim], dim=-1)
+        q, k = (x.reshape(*lead, s.key_heads, s.key_dim) for x in (q, k))
+        if s.value_heads > s.key_heads:
+            q, k = (x.repeat_interleave(s.value_heads // s.key_heads, dim=2) for x in (q, k))
+        return q, k, v.reshape(*lead, s.value_heads, s.value_dim)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each value head, then times silu(z) (transformers' `RMSNormGated`)."""
@@ -128,3 +134,82 @@ def _spans(params: PackedSeqParams | None, tokens: int) -> list[tuple[int, int]]
     cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
     bounds = cu.tolist()
     return [(a, z) for a, z in itertools.pairwise(bounds)]
+
+
+class Whole:
+    """Training and scoring: each row (or packed sequence) whole, from a zero state."""
+
+    def mix(
+        self,
+        layer: GatedDeltaNet,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        params: PackedSeqParams | None,
+    ) -> torch.Tensor:
+        """The projections' qkv [b, s, c], decays and write strengths [b, s, value heads] ->
+        the recurrence's output [b, s, value heads, value_dim]."""
+        spans = _spans(params, qkv.shape[1])
+        runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in spans]
+        q, k, v = layer.heads(torch.cat([*runs, qkv[:, spans[-1][1] :]], dim=1))
+        if params is None:
+            return gated_delta.chunked(q, k, v, g, beta)[0]
+        return gated_delta.packed(q, k, v, g, beta, [a for a, _ in spans] + [spans[-1][1]])
+
+
+class StateCache:
+    """Generation's state of each Gated DeltaNet layer, by layer number: the conv's window (the
+    last kernel - 1 projected inputs of each row [b, kernel - 1, c]) and the recurrence's state
+    [b, value heads, key_dim, value_dim] (fp32), written in place by each decode step."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class Cached:
+    """Generation: the prefill runs each right-padded prompt whole (its padding neither decays
+    nor writes the state) and keeps its window and state; a decode step (one token per row)
+    continues them. `steps`: the generating phase, whose `step` says which forward this is."""
+
+    def __init__(self, cache: StateCache, steps: Any) -> None:
+        self.cache, self.steps = cache, steps
+
+    def mix(
+        self,
+        layer: GatedDeltaNet,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        params: PackedSeqParams | None,
+    ) -> torch.Tensor:
+        step = self.steps.step
+        if step.prefill:
+            return self._prefill(layer, qkv, g, beta, step.lengths)
+        window, state = self.cache.layers[layer.number]
+        inputs = torch.cat([window, qkv], dim=1)  # [b, kernel, c]: the conv's last output
+        q, k, v = layer.heads(layer.conv(inputs)[:, -1:])
+        out, new = gated_delta.recurrent(q, k, v, g, beta, initial=state)
+        window.copy_(inputs[:, 1:])
+        state.copy_(new)
+        return out
+
+    def _prefill(
+        self,
+        layer: GatedDeltaNet,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
+        b, s, c = qkv.shape
+        padding = (torch.arange(s, device=qkv.device)[None, :] >= lengths[:, None])[..., None]
+        q, k, v = layer.heads(layer.conv(qkv))
+        out, state = gated_delta.chunked(
+            q, k, v, g.masked_fill(padding, 0.0), beta.masked_fill(padding, 0.0)
+        )
+        kernel = layer.shape.conv_kernel
+        earlier = F.pad(qkv, (0, 0, kernel - 1, 0))  # position p at p + kernel - 1
+        at = lengths[:, None] + torch.arange(kernel - 1, device=qkv.device)[None, :]
+        window = earlier.gather(1, at[..., None].expand(b, kernel - 1, c))
+        self.cache.layers[layer.number] = (window, state)
+        return out

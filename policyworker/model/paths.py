@@ -39,8 +39,7 @@ from policyworker.model.attention.layout import Kernels
 from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
-from policyworker.model.errors import UnsupportedModelError
-from policyworker.model.linear_attention import GatedDeltaNet
+from policyworker.model.linear_attention import Cached, GatedDeltaNet, StateCache, Whole
 from policyworker.model.rope_scaling import RopeFrequencies
 from policyworker.ops.compiled import triton_on
 
@@ -81,8 +80,10 @@ class ForwardPaths:
         self.mlp_chunk_tokens: int | None = None
         """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
         runs them whole."""
+        self.mixing = Switch(Whole())
+        """How every Gated DeltaNet layer runs its recurrence now (`model/linear_attention.py`)."""
         self.recurrent = False
-        """Whether the model has Gated DeltaNet layers (their state cache is not built yet)."""
+        """Whether the model has Gated DeltaNet layers (generation keeps their states)."""
 
     def install(
         self,
@@ -106,6 +107,7 @@ class ForwardPaths:
             elif isinstance(module, ChunkedMLP):
                 self.mlps.append(module)
             elif isinstance(module, GatedDeltaNet):
+                module.mixing = self.mixing
                 self.recurrent = True
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
@@ -119,11 +121,6 @@ class ForwardPaths:
     def generating(self, model: torch.nn.Module, capacity: int) -> Iterator[Generating]:
         """The generating phase over a fresh KV cache of `capacity` positions per row, and
         generation's matmul rows, until exit (the cache is dropped then)."""
-        if self.recurrent:
-            raise UnsupportedModelError(
-                "generate: not supported yet for models with Gated DeltaNet (linear-attention) "
-                "layers: their recurrent-state cache is not built"
-            )
         g = self.generation
         if self.latents:  # latent attention: a cache of latents (`attention/latent_cache.py`)
             phase: Generating = LatentGenerating(
@@ -136,6 +133,8 @@ class ForwardPaths:
         with contextlib.ExitStack() as stack:
             for layer in self.latents.values():
                 stack.enter_context(layer.capturing())
+            if self.recurrent:  # the Gated DeltaNet layers' windows and states
+                stack.enter_context(self.mixing.using(Cached(StateCache(), phase)))
             with self.switch.using(phase), g.rows.around(model), self._chunked():
                 yield phase
 

@@ -27,6 +27,8 @@ class Step:
     starts: torch.Tensor
     keys_used: int
     prefill: bool
+    lengths: torch.Tensor | None = None
+    """The prefill's prompt lengths [B] (on the device): where a recurrent layer's state stops."""
 
 
 class KVCache:
