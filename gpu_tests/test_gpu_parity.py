@@ -66,7 +66,7 @@ def _worker(folder, precision):
     "arch",
     [
         "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe",
-        "deepseek_v3", "gpt_oss",
+        "deepseek_v3", "gpt_oss", "qwen3_5",
     ],
 )  # fmt: skip
 def test_parity_on_gpu(tmp_path, arch):
