@@ -59,8 +59,7 @@ def _refit(worker, gen: GenerationProcess, transport: str) -> None:
         ("deepseek_v3", "ipc"),
         ("deepseek_v3", "collective"),
         ("deepseek_v3", "sparse"),
-        ("gpt_oss", "ipc"),
-        ("gpt_oss", "collective"),
+        ("gpt_oss", "ipc"),  # the collective transport sends the same names and tensors
         ("gpt_oss", "sparse"),
     ],
 )

@@ -141,9 +141,9 @@ def test_export_writes_the_fused_layout_transformers_reads(folder, tmp_path):
     assert (hf_logprobs(out, data) - ours).abs().max() <= 1e-5
 
 
-GPT_OSS_LAYOUTS = {  # sinks split over TP with the heads, biases under TP and SP, the windows
-    # at packed and CP positions, PP through the sliding / full layer pattern
-    "tp2-sequence-parallel-packed-replay": (2, 1, ("sp", "pack", "replay")),
+GPT_OSS_LAYOUTS = {  # the windows and sinks at CP positions, PP through the sliding / full
+    # layer pattern; TP2 + SP (sinks split with the heads, biases) runs beside EP2 on four ranks
+    # (test_moe.FAMILY_FOUR_RANKS)
     "ep2-cp2-packed-chunked-seq-aux-loss": (1, 1, ("ep", "cp", "pack", "chunk", "seqaux")),
     "pp2-split-step": (1, 2, ("split",)),
 }
