@@ -267,12 +267,13 @@ def test_refit_check_on_an_moe_model(tmp_path, capsys, case, transport, trainer,
 
 
 @pytest.mark.processes
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
-def test_the_demo_trains_an_moe_model(tmp_path, family):
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "qwen3_5"])
+def test_the_demo_trains_each_new_family(tmp_path, family):
     """The main job on a user's DeepSeek-V3 folder (latent attention, sigmoid routers with the
-    expert bias, shared experts, a dense first layer) and gpt-oss folder (sinks, windows,
-    biases, experts fused on disk): SFT and GRPO steps through the driver, each GRPO step
-    refitting transformers' engine (its fused experts written per expert, or whole)."""
+    expert bias, shared experts, a dense first layer), gpt-oss folder (sinks, windows, biases,
+    experts fused on disk) and Qwen3.5 folder (Gated DeltaNet layers): SFT and GRPO steps
+    through the driver, each GRPO step refitting transformers' engine (its fused experts
+    written per expert, or whole)."""
     import json
 
     from policyworker.cli import main
