@@ -26,6 +26,7 @@ ARCHS = {
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
 }
 MOE = {
     "qwen3_moe": dict(
@@ -68,6 +69,11 @@ MOE = {
         architectures=["Qwen3_5ForCausalLM"],
     ),
 }  # fmt: skip
+MOE["qwen3_5_moe"] = {  # Qwen3.5's layers with Qwen2-MoE's experts in every layer
+    **{k: v for k, v in MOE["qwen3_5"].items() if k != "architectures"},
+    **{k: v for k, v in MOE["qwen2_moe"].items() if k != "norm_topk_prob"},
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+}
 
 
 def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrides: object) -> Path:

@@ -1,4 +1,4 @@
-"""Qwen3.5 (dense): Gated DeltaNet linear-attention layers beside gated full attention, from
+"""Qwen3.5 (dense and MoE): Gated DeltaNet linear-attention layers beside gated full attention, from
 Hugging Face — the gated delta rule against transformers' reference implementation, logprobs,
 top-k and a loss's gradients against transformers (fp32), packing, recompute, chunking, export;
 what is not built yet is refused by name."""
@@ -23,6 +23,14 @@ from policyworker.ops import gated_delta
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("qwen3_5") / "m", "qwen3_5")
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def each(request, folder, tmp_path_factory):
+    """The dense model, and Qwen3.5-MoE (Qwen2-MoE's experts in every layer, renormalized)."""
+    if request.param == "qwen3_5":
+        return folder
+    return make_hf_model(tmp_path_factory.mktemp("qwen3_5_moe") / "m", "qwen3_5_moe")
 
 
 def _inputs(b=2, s=150, h=4, dk=16, dv=24, seed=0):
@@ -72,12 +80,13 @@ def test_the_shape_reads_the_hybrid_pattern_and_refuses_what_is_not_built(folder
     ):
         with pytest.raises(ValueError, match=f"parallel.{field}: expected 1 with Gated DeltaNet"):
             check_layout(parallel, shape)
-    for architecture in ("Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+    for architecture in ("Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM"):
         with pytest.raises(UnsupportedModelError, match="not supported yet"):
             model_shape(transformers.PretrainedConfig(architectures=[architecture]))
 
 
-def test_logprobs_topk_and_gradients_equal_transformers(folder):
+def test_logprobs_topk_and_gradients_equal_transformers(each):
+    folder = each
     worker = make_worker(folder, logprob_batch_size=2)
     data = make_batch(batch=5, seq=20, lengths=[20, 7, 13, 1, 16])
     ours = worker.get_logprobs(data=data)["logprobs"]
@@ -120,9 +129,10 @@ def test_packing_recompute_and_chunking_equal_plain(folder):
             assert ((got[name] - g).abs().max() / scale).item() <= 1e-5, name
 
 
-def test_export_reloads_into_transformers(folder, tmp_path):
+def test_export_reloads_into_transformers(each, tmp_path):
     from safetensors.torch import load_file
 
+    folder = each
     worker = make_worker(folder)
     out = worker.save_hf_pretrained(tmp_path / "export")
     saved, source = load_file(out / "model.safetensors"), load_file(folder / "model.safetensors")
@@ -130,12 +140,13 @@ def test_export_reloads_into_transformers(folder, tmp_path):
     assert all(torch.equal(saved[n], source[n]) for n in source)
 
 
-def test_generation_keeps_each_layers_state_and_its_logprobs_are_get_logprobs(folder):
+def test_generation_keeps_each_layers_state_and_its_logprobs_are_get_logprobs(each):
     """Prompts of different lengths (right-padded: a row's padding neither decays nor writes
     its state, its conv window ends at its own last token); greedy = transformers' `generate`
     (its recurrent cache); sampled rows score as `get_logprobs` scores them."""
     from test_worker_generate import response_mask, scored
 
+    folder = each
     worker = make_worker(folder, generation={"max_new_tokens": 8, "stop_token_ids": []})
     lengths = [14, 3, 9]
     prompts = make_batch(batch=3, seq=14, lengths=lengths)

@@ -51,6 +51,7 @@ EXPERT_NAMES: dict[str, ExpertNames] = {
     "MixtralForCausalLM": _MIXTRAL,
     "Qwen2MoeForCausalLM": _QWEN,
     "Qwen3MoeForCausalLM": _QWEN,
+    "Qwen3_5MoeForCausalLM": _QWEN,
     "Glm4MoeForCausalLM": _GLM,
 }
 

@@ -52,6 +52,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3_5ForCausalLM": ArchSpec(
         qkv_bias=False, qk_norm=True, output_gate=True, zero_centered_norm=True
     ),
+    # the same layers, every MLP Qwen2-MoE's experts (renormalized top-k, a gated shared expert)
+    "Qwen3_5MoeForCausalLM": ArchSpec(
+        qkv_bias=False, qk_norm=True, output_gate=True, zero_centered_norm=True
+    ),
 }
 CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 """Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
@@ -60,11 +64,11 @@ CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
     "Qwen3_5ForConditionalGeneration": "Qwen3.5's vision-language checkpoint (its text model, "
     "Qwen3_5ForCausalLM with weights under model.*, is supported)",
-    "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (gated DeltaNet linear attention)",
     "Qwen3NextForCausalLM": "Qwen3-Next (gated DeltaNet linear attention)",
 }
 GPT_OSS = "GptOssForCausalLM"
-QWEN3_5 = "Qwen3_5ForCausalLM"
+QWEN3_5 = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+"""Qwen3.5's text models: Gated DeltaNet layers (`DeltaNetShape`)."""
 GPT_OSS_SWIGLU = (1.702, 7.0)
 """gpt-oss's SwiGLU: (alpha, limit), constants in transformers' `GptOssExperts`."""
 
@@ -241,7 +245,7 @@ def model_shape(hf_config: Any) -> ModelShape:
         arch=_arch(name, hf_config),
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        ffn_hidden_size=getattr(hf_config, "intermediate_size", None) or 0,  # 0: no dense MLP
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -254,7 +258,7 @@ def model_shape(hf_config: Any) -> ModelShape:
         rotary_offset=offset,
         latent=latent,
         **(_gpt_oss_fields(hf_config) if name == GPT_OSS else {}),
-        **(_delta_net_fields(hf_config) if name == QWEN3_5 else {}),
+        **(_delta_net_fields(hf_config) if name in QWEN3_5 else {}),
     )
 
 
@@ -349,6 +353,17 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
         )
     if name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_shape(hf_config)
+    if name == "Qwen3_5MoeForCausalLM":  # every layer; the top k renormalized
+        shared = hf_config.shared_expert_intermediate_size
+        return MoEShape(
+            num_experts=hf_config.num_experts,
+            top_k=hf_config.num_experts_per_tok,
+            expert_ffn_size=hf_config.moe_intermediate_size,
+            rule=Softmax(normalize=True),
+            layers=(True,) * layers,
+            shared_expert_ffn_size=shared,
+            shared_expert_gate=shared > 0,
+        )
     if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
