@@ -66,12 +66,17 @@ def test_the_shape_reads_each_family(tmp_path):
 
 
 def test_logprobs_and_topk_equal_transformers(moe_dir):
-    worker = make_worker(moe_dir, logprob_batch_size=2)
+    assert_logprobs_and_topk_equal_transformers(moe_dir)
+
+
+def assert_logprobs_and_topk_equal_transformers(folder) -> None:
+    """fp32 logprobs and top-4 logits/indices of five rows (lengths 1-20) = transformers'."""
+    worker = make_worker(folder, logprob_batch_size=2)
     data = make_batch(batch=5, seq=20, lengths=[20, 7, 13, 1, 16])
     ours = worker.get_logprobs(data=data)["logprobs"]
-    ref = hf_logprobs(moe_dir, data)
+    ref = hf_logprobs(folder, data)
     assert (ours - ref).abs().max().item() <= 1e-5
-    model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         vals, idx = model(data["input_ids"]).logits.topk(4, dim=-1)
     out = worker.get_topk_logits(data=data, k=4)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 from conftest import make_worker
-from helpers import hf_logprobs, make_batch, make_hf_model
-from test_moe import _hf_grads, _hf_rows, _worker_grads
+from helpers import make_batch, make_hf_model
+from test_moe import _hf_grads, _hf_rows, _worker_grads, assert_logprobs_and_topk_equal_transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from policyworker.config import ParallelConfig, RecomputeConfig, SequencePackingConfig
@@ -87,17 +87,7 @@ def test_the_shape_reads_the_hybrid_pattern_and_refuses_what_is_not_built(folder
 
 def test_logprobs_topk_and_gradients_equal_transformers(each):
     folder = each
-    worker = make_worker(folder, logprob_batch_size=2)
-    data = make_batch(batch=5, seq=20, lengths=[20, 7, 13, 1, 16])
-    ours = worker.get_logprobs(data=data)["logprobs"]
-    assert (ours - hf_logprobs(folder, data)).abs().max().item() <= 1e-5
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        vals, idx = model(data["input_ids"]).logits.topk(4, dim=-1)
-    out = worker.get_topk_logits(data=data, k=4)
-    valid = torch.arange(20)[None, :] < data["input_lengths"][:, None]
-    assert (out["topk_logits"] - vals * valid[..., None]).abs().max() <= 1e-5
-    assert torch.equal(out["topk_indices"][valid], idx[valid])
+    assert_logprobs_and_topk_equal_transformers(folder)
     batch = make_batch(batch=4, seq=12)
     ref = _hf_grads(folder, batch)
     grads = _worker_grads(make_worker(folder), batch)

@@ -353,28 +353,18 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
         )
     if name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_shape(hf_config)
-    if name == "Qwen3_5MoeForCausalLM":  # every layer; the top k renormalized
-        shared = hf_config.shared_expert_intermediate_size
-        return MoEShape(
-            num_experts=hf_config.num_experts,
-            top_k=hf_config.num_experts_per_tok,
-            expert_ffn_size=hf_config.moe_intermediate_size,
-            rule=Softmax(normalize=True),
-            layers=(True,) * layers,
-            shared_expert_ffn_size=shared,
-            shared_expert_gate=shared > 0,
-        )
-    if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM"):
         return None
+    # Qwen3.5-MoE: every layer, the top k always renormalized (no such keys in its config)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    step = hf_config.decoder_sparse_step
+    step = getattr(hf_config, "decoder_sparse_step", 1)
     experts = hf_config.num_experts
     shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0
     return MoEShape(
         num_experts=experts,
         top_k=hf_config.num_experts_per_tok,
         expert_ffn_size=hf_config.moe_intermediate_size,
-        rule=Softmax(normalize=bool(hf_config.norm_topk_prob)),
+        rule=Softmax(normalize=bool(getattr(hf_config, "norm_topk_prob", True))),
         layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(layers)),
         shared_expert_ffn_size=shared,
         shared_expert_gate=shared > 0,
