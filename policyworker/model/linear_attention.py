@@ -19,7 +19,7 @@ rank and no CP yet (`layout_checks.check_layout` refuses them by name).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +73,7 @@ class GatedDeltaNet(MegatronModule):
         )  # fmt: skip
         self.number = layer_number
         """megatron's layer number (global, from 1): this layer's slot in a state cache."""
-        self.mixing = Switch(Whole())
+        self.mixing: Switch[Mixing] = Switch(Whole())
         """How the layer runs its recurrence now (`ForwardPaths` installs one shared switch)."""
 
     def forward(
@@ -136,8 +136,8 @@ def _spans(params: PackedSeqParams | None, tokens: int) -> list[tuple[int, int]]
     return [(a, z) for a, z in itertools.pairwise(bounds)]
 
 
-class Whole:
-    """Training and scoring: each row (or packed sequence) whole, from a zero state."""
+class Mixing(Protocol):
+    """How a Gated DeltaNet layer runs its conv and recurrence in a phase."""
 
     def mix(
         self,
@@ -149,6 +149,20 @@ class Whole:
     ) -> torch.Tensor:
         """The projections' qkv [b, s, c], decays and write strengths [b, s, value heads] ->
         the recurrence's output [b, s, value heads, value_dim]."""
+        ...
+
+
+class Whole:
+    """Training and scoring: each row (or packed sequence) whole, from a zero state."""
+
+    def mix(
+        self,
+        layer: GatedDeltaNet,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        params: PackedSeqParams | None,
+    ) -> torch.Tensor:
         spans = _spans(params, qkv.shape[1])
         runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in spans]
         q, k, v = layer.heads(torch.cat([*runs, qkv[:, spans[-1][1] :]], dim=1))

@@ -32,14 +32,14 @@ from policyworker.model.attention.cached import (
     sdpa_prefill,
     triton_decode,
 )
-from policyworker.model.attention.core import CoreAttention, Fresh, Switch
+from policyworker.model.attention.core import CoreAttention, Fresh, Phase, Switch
 from policyworker.model.attention.kernels import ByRows, Exact, Flash
 from policyworker.model.attention.latent_cache import LatentCache, LatentGenerating, LatentLayer
 from policyworker.model.attention.layout import Kernels
 from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
-from policyworker.model.linear_attention import Cached, GatedDeltaNet, StateCache, Whole
+from policyworker.model.linear_attention import Cached, GatedDeltaNet, Mixing, StateCache, Whole
 from policyworker.model.rope_scaling import RopeFrequencies
 from policyworker.ops.compiled import triton_on
 
@@ -73,14 +73,14 @@ class ForwardPaths:
         self.rotary = Rotary(rotate)
         """RoPE's frequencies for generation's positions (every layer has the same)."""
         self.dtype = dtype
-        self.switch = Switch(self.training)
+        self.switch: Switch[Phase] = Switch(self.training)
         self.mlps: list[ChunkedMLP] = []
         self.latents: dict[int, LatentLayer] = {}
         """Latent attention's layers by layer number: generation caches their latents."""
         self.mlp_chunk_tokens: int | None = None
         """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
         runs them whole."""
-        self.mixing = Switch(Whole())
+        self.mixing: Switch[Mixing] = Switch(Whole())
         """How every Gated DeltaNet layer runs its recurrence now (`model/linear_attention.py`)."""
         self.recurrent = False
         """Whether the model has Gated DeltaNet layers (generation keeps their states)."""

@@ -84,14 +84,15 @@ class _Unbuilt:
         raise RuntimeError("attention: the model was built without ForwardPaths.install")
 
 
-class Switch:
-    """The phase every attention layer of one model runs now (shared by its layers)."""
+class Switch[P]:
+    """The phase every layer of a kind runs now (shared by those layers of one model): attention
+    phases (`Phase`), a Gated DeltaNet layer's recurrence (`linear_attention.Mixing`)."""
 
-    def __init__(self, phase: Phase) -> None:
+    def __init__(self, phase: P) -> None:
         self.now = phase
 
     @contextlib.contextmanager
-    def using(self, phase: Phase) -> Iterator[None]:
+    def using(self, phase: P) -> Iterator[None]:
         before, self.now = self.now, phase
         try:
             yield
@@ -128,7 +129,7 @@ class CoreAttention(MegatronModule):
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         )
         self.rotary = Rotary()
-        self.switch = Switch(_Unbuilt())
+        self.switch: Switch[Phase] = Switch(_Unbuilt())
         self.softmax_offset: torch.nn.Parameter | None = None
         if config.softmax_type == "learnable":
             heads = config.num_attention_heads // config.tensor_model_parallel_size
