@@ -106,7 +106,7 @@ def layout_results(
     out["teacher_full_payload"] = worker.get_logprobs_with_full_payload(
         data=data, payload="logits", payload_dtype="float32"
     )["teacher_full_payload"]
-    if worker.shape.latent is None:  # refused by name for latent attention
+    if worker.shape.latent is None and worker.shape.delta_net is None:  # refused by name
         out["qkv_scales"] = worker.calibrate_qkv_fp8_scales(
             data=data, micro_batch_size=2, percentile=100.0, include_q=True
         )

@@ -449,6 +449,8 @@ FAMILY_FOUR_RANKS = {
     "deepseek_v3-no-query-latent-ep2-tp2-sequence-parallel": (2, 1, ("sp", "ep", "bias")),
     # sinks split with the heads, biases under TP + SP, windows at packed positions
     "gpt_oss-ep2-tp2-sequence-parallel-packed": (2, 1, ("sp", "ep", "pack")),
+    # Gated DeltaNet layers on both stages (3 linear layers, 1 full: 2 and 2), packed
+    "qwen3_5_moe-ep2-pp2-packed-split-step": (1, 2, ("ep", "pack", "split")),
 }
 
 
@@ -464,10 +466,11 @@ def moe_four_ranks(moe_layouts, tmp_path_factory):
     folder, single, _ = moe_layouts
     out = tmp_path_factory.mktemp("moe_four_ranks")
     families = {}
+    cases = FAMILIES | {"qwen3_5_moe": {}}  # Qwen3.5-MoE's own checks: test_qwen3_5.py
     for layout in FAMILY_FOUR_RANKS:
-        case = max((c for c in FAMILIES if layout.startswith(c + "-")), key=len)
+        case = max((c for c in cases if layout.startswith(c + "-")), key=len)
         own = make_hf_model(
-            tmp_path_factory.mktemp(case), case.split("-")[0], vocab_size=VOCAB, **FAMILIES[case]
+            tmp_path_factory.mktemp(case), case.split("-")[0], vocab_size=VOCAB, **cases[case]
         )
         worker = MegatronPolicyWorker(config(str(own), tp=1, pp=1, bias=True))
         families[layout] = own, {(False, False): layout_results(worker, fixed_batch(VOCAB))}

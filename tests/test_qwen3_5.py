@@ -80,6 +80,9 @@ def test_the_shape_reads_the_hybrid_pattern_and_refuses_what_is_not_built(folder
     ):
         with pytest.raises(ValueError, match=f"parallel.{field}: expected 1 with Gated DeltaNet"):
             check_layout(parallel, shape)
+    worker = make_worker(folder)
+    with pytest.raises(ValueError, match="calibrate_qkv_fp8_scales: not supported yet"):
+        worker.calibrate_qkv_fp8_scales(data=make_batch(batch=2, seq=8))
     for architecture in ("Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM"):
         with pytest.raises(UnsupportedModelError, match="not supported yet"):
             model_shape(transformers.PretrainedConfig(architectures=[architecture]))

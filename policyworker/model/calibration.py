@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention
 
 from policyworker.model.attention.core import CoreAttention
+from policyworker.model.linear_attention import GatedDeltaNet
 
 FP8_E4M3_MAX = 448.0
 KINDS = ("q", "k", "v")
@@ -38,6 +39,11 @@ class QKVAmax:
     def __enter__(self) -> QKVAmax:
         for layer in self.model.decoder.layers:
             attention = layer.self_attention
+            if isinstance(attention, GatedDeltaNet):  # no keys and values to cache
+                raise ValueError(
+                    "calibrate_qkv_fp8_scales: not supported yet for models with Gated DeltaNet "
+                    "layers (Qwen3.5: only its full-attention layers have a KV cache)"
+                )
             if not isinstance(attention, SelfAttention):  # MLA: its cache would hold latents
                 raise ValueError(
                     "calibrate_qkv_fp8_scales: not supported for multi-head latent attention "
