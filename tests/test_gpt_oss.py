@@ -1,6 +1,7 @@
 """gpt-oss (attention sinks, sliding-window layers, biases on every linear layer, the clamped
 SwiGLU, YaRN, experts stored fused) beyond the family checks of test_moe.py: what the shape
-reads and refuses, each feature's own effect, generation, recompute and its two-rank layouts."""
+reads and refuses, each feature's own effect, generation, recompute. Its layouts (EP2 x TP2 +
+SP packed, EP2 x CP2 packed and chunked) are test_moe.FAMILY_FOUR_RANKS."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import transformers
 from conftest import make_worker
 from helpers import hf_logprobs, make_batch, make_hf_model
-from test_moe import _assert_layout_matches, _model, _one_and_two_ranks, _worker_grads
+from test_moe import _model, _worker_grads
 from test_worker_generate import response_mask, scored
 
 from policyworker.config import RecomputeConfig
@@ -139,25 +140,3 @@ def test_export_writes_the_fused_layout_transformers_reads(folder, tmp_path):
     assert json.loads((out / "config.json").read_text())["layer_types"][0] == "sliding_attention"
     ours = worker.get_logprobs(data=data)["logprobs"]
     assert (hf_logprobs(out, data) - ours).abs().max() <= 1e-5
-
-
-GPT_OSS_LAYOUTS = {  # the windows and sinks at CP positions, PP through the sliding / full
-    # layer pattern; TP2 + SP (sinks split with the heads, biases) runs beside EP2 on four ranks
-    # (test_moe.FAMILY_FOUR_RANKS)
-    "ep2-cp2-packed-chunked-seq-aux-loss": (1, 1, ("ep", "cp", "pack", "chunk", "seqaux")),
-    "pp2-split-step": (1, 2, ("split",)),
-}
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_layouts(tmp_path_factory):
-    from test_parallel import VOCAB
-
-    folder = make_hf_model(tmp_path_factory.mktemp("gpt_oss_v"), "gpt_oss", vocab_size=VOCAB)
-    return _one_and_two_ranks(folder, GPT_OSS_LAYOUTS, tmp_path_factory.mktemp("gpt_oss_two"))
-
-
-@pytest.mark.processes
-@pytest.mark.parametrize("layout", GPT_OSS_LAYOUTS)
-def test_gpt_oss_layouts_match_one_rank(gpt_oss_layouts, layout):
-    _assert_layout_matches(gpt_oss_layouts, GPT_OSS_LAYOUTS, layout)
