@@ -82,8 +82,6 @@ class ForwardPaths:
         runs them whole."""
         self.mixing: Switch[Mixing] = Switch(Whole())
         """How every Gated DeltaNet layer runs its recurrence now (`model/linear_attention.py`)."""
-        self.recurrent = False
-        """Whether the model has Gated DeltaNet layers (generation keeps their states)."""
 
     def install(
         self,
@@ -108,7 +106,6 @@ class ForwardPaths:
                 self.mlps.append(module)
             elif isinstance(module, GatedDeltaNet):
                 module.mixing = self.mixing
-                self.recurrent = True
         self.mlp_chunk_tokens = mlp_chunk_tokens
 
     @contextlib.contextmanager
@@ -133,8 +130,8 @@ class ForwardPaths:
         with contextlib.ExitStack() as stack:
             for layer in self.latents.values():
                 stack.enter_context(layer.capturing())
-            if self.recurrent:  # the Gated DeltaNet layers' windows and states
-                stack.enter_context(self.mixing.using(Cached(StateCache(), phase)))
+            # the Gated DeltaNet layers' windows and states (a model without them: never read)
+            stack.enter_context(self.mixing.using(Cached(StateCache(), phase)))
             with self.switch.using(phase), g.rows.around(model), self._chunked():
                 yield phase
 
