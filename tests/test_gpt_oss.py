@@ -140,3 +140,34 @@ def test_export_writes_the_fused_layout_transformers_reads(folder, tmp_path):
     assert json.loads((out / "config.json").read_text())["layer_types"][0] == "sliding_attention"
     ours = worker.get_logprobs(data=data)["logprobs"]
     assert (hf_logprobs(out, data) - ours).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("cut", "match"),
+    [
+        (
+            lambda t: t[:7],
+            r"no tensor .*experts\.7\.gate_up_proj \(expert 7 of .*experts\.gate_up_proj\)",
+        ),
+        (
+            lambda t: t[:, :, :-2],
+            r"experts\.0\.gate_up_proj \(expert 0 of .*\) has shape \[64, 62\]",
+        ),
+    ],
+    ids=["an-expert-missing", "narrower"],
+)
+def test_a_fused_expert_tensor_that_disagrees_with_the_config_is_refused_up_front(
+    folder, tmp_path, cut, match
+):
+    """Checked before any weight is read, naming the fused tensor on disk."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = shutil.copytree(folder, tmp_path / "bad")
+    tensors = load_file(bad / "model.safetensors")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    tensors[name] = cut(tensors[name]).contiguous()
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=match):
+        make_worker(bad)

@@ -309,11 +309,14 @@ def check_hf_folder(folder: str | Path, hf_config: Any, shape: ModelShape, *, fi
     for name in (n for m in mappings(shape) for n in m.hf):
         if name not in found and (shape_in := _in_fused(name, found)) is not None:
             found[name] = shape_in
+        fused = fused_source(name)
+        # an expert's rows of a fused tensor: say so, naming the tensor on disk
+        where = f"{name} (expert {fused.expert} of {fused.name})" if fused else name
         if name not in found:
-            raise ValueError(f"{field}: {folder} has no tensor {name!r} (config.json needs it)")
+            raise ValueError(f"{field}: {folder} has no tensor {where} (config.json needs it)")
         if found[name] != expected.get(name, found[name]):
             raise ValueError(
-                f"{field}: {folder}: {name} has shape {list(found[name])}; config.json gives "
+                f"{field}: {folder}: {where} has shape {list(found[name])}; config.json gives "
                 f"{list(expected[name])} (do config.json and the weights belong together?)"
             )
 
