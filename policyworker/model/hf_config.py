@@ -69,8 +69,9 @@ NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name u
 GPT_OSS = "GptOssForCausalLM"
 QWEN3_5 = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 """Qwen3.5's text models: Gated DeltaNet layers (`DeltaNetShape`)."""
-GPT_OSS_SWIGLU = (1.702, 7.0)
-"""gpt-oss's SwiGLU: (alpha, limit), constants in transformers' `GptOssExperts`."""
+GPT_OSS_SWIGLU_LIMIT = 7.0
+"""gpt-oss's SwiGLU clamp, a constant in transformers' `GptOssExperts` (its alpha, 1.702, is
+megatron's `quick_gelu`'s)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +265,6 @@ def model_shape(hf_config: Any) -> ModelShape:
 
 def _delta_net_fields(hf_config: Any) -> dict[str, Any]:
     """Qwen3.5's hybrid pattern and its linear layers' dimensions."""
-    kinds = {"linear_attention": True, "full_attention": False}
-    unknown = sorted(set(hf_config.layer_types) - set(kinds))
-    if unknown:
-        raise UnsupportedModelError(f"layer_types {unknown}: not supported")
     shape = DeltaNetShape(
         key_heads=hf_config.linear_num_key_heads,
         value_heads=hf_config.linear_num_value_heads,
@@ -280,27 +277,33 @@ def _delta_net_fields(hf_config: Any) -> dict[str, Any]:
             f"linear_num_value_heads={shape.value_heads}: expected a multiple of "
             f"linear_num_key_heads={shape.key_heads}"
         )
-    return dict(delta_net=shape, linear_layers=tuple(kinds[k] for k in hf_config.layer_types))
+    kinds = {"linear_attention": True, "full_attention": False}
+    return dict(delta_net=shape, linear_layers=_per_layer(hf_config, kinds))
+
+
+def _per_layer[T](hf_config: Any, kinds: dict[str, T]) -> tuple[T, ...]:
+    """Each layer's entry of `kinds` by its `layer_types`; another kind is refused by name."""
+    unknown = sorted(set(hf_config.layer_types) - set(kinds))
+    if unknown:
+        raise UnsupportedModelError(f"layer_types {unknown}: not supported")
+    return tuple(kinds[k] for k in hf_config.layer_types)
 
 
 def _gpt_oss_fields(hf_config: Any) -> dict[str, Any]:
     """gpt-oss's sinks, per-layer windows and clamped SwiGLU."""
     if not hf_config.attention_bias:  # megatron's biases come on every linear layer or none
         raise UnsupportedModelError("gpt-oss with attention_bias=False is not supported")
-    window = hf_config.sliding_window or 0
-    kinds = {"sliding_attention": window, "full_attention": 0}
-    unknown = sorted(set(hf_config.layer_types) - set(kinds))
-    if unknown:
-        raise UnsupportedModelError(f"layer_types {unknown}: not supported")
-    limit = getattr(hf_config, "swiglu_limit", GPT_OSS_SWIGLU[1])
-    if limit != GPT_OSS_SWIGLU[1]:  # transformers ignores it (its experts hard-code 7.0)
+    limit = getattr(hf_config, "swiglu_limit", GPT_OSS_SWIGLU_LIMIT)
+    if limit != GPT_OSS_SWIGLU_LIMIT:  # transformers ignores it (its experts hard-code 7.0)
         raise UnsupportedModelError(
-            f"swiglu_limit={limit}: only {GPT_OSS_SWIGLU[1]} (what transformers runs) is supported"
+            f"swiglu_limit={limit}: only {GPT_OSS_SWIGLU_LIMIT} (what transformers runs) is "
+            "supported"
         )
+    kinds = {"sliding_attention": hf_config.sliding_window or 0, "full_attention": 0}
     return dict(
-        windows=tuple(kinds[k] for k in hf_config.layer_types),
+        windows=_per_layer(hf_config, kinds),
         sinks=True,
-        swiglu_clamp=GPT_OSS_SWIGLU[1],
+        swiglu_clamp=GPT_OSS_SWIGLU_LIMIT,
     )
 
 

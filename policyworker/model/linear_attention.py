@@ -18,7 +18,7 @@ rank and no CP yet (`layout_checks.check_layout` refuses them by name).
 
 from __future__ import annotations
 
-import itertools
+from itertools import pairwise
 from typing import Any, Protocol
 
 import torch
@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from policyworker.model.attention.core import Switch
 from policyworker.model.hf_config import DeltaNetShape
 from policyworker.ops import gated_delta
+from policyworker.ops.rms_norm import rms_norm
 
 
 class GatedDeltaNet(MegatronModule):
@@ -118,22 +119,18 @@ class GatedDeltaNet(MegatronModule):
         return q, k, v.reshape(*lead, s.value_heads, s.value_dim)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over each value head, then times silu(z) (transformers' `RMSNormGated`)."""
-        dtype = o.dtype
-        o32 = o.float()
-        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.norm_weight * o32.to(dtype)
-        return (out * F.silu(z.float())).to(dtype)
+        """RMSNorm over each value head (Llama's arithmetic, `ops.rms_norm`), then times
+        silu(z) in fp32 (transformers' `RMSNormGated`)."""
+        return (rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float())).to(o.dtype)
 
 
-def _spans(params: PackedSeqParams | None, tokens: int) -> list[tuple[int, int]]:
-    """The runs of tokens each starting from a zero state: a padded batch's whole rows, or a
-    pack's sequences (by `cu_seqlens`, padded bounds where given)."""
+def _bounds(params: PackedSeqParams | None, tokens: int) -> list[int]:
+    """Where the runs of tokens that each start from a zero state begin and end: a padded
+    batch's whole rows, or a pack's sequences (`cu_seqlens`, padded bounds where given)."""
     if params is None:
-        return [(0, tokens)]
+        return [0, tokens]
     cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
-    bounds = cu.tolist()
-    return [(a, z) for a, z in itertools.pairwise(bounds)]
+    return cu.tolist()
 
 
 class Mixing(Protocol):
@@ -163,12 +160,12 @@ class Whole:
         beta: torch.Tensor,
         params: PackedSeqParams | None,
     ) -> torch.Tensor:
-        spans = _spans(params, qkv.shape[1])
-        runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in spans]
-        q, k, v = layer.heads(torch.cat([*runs, qkv[:, spans[-1][1] :]], dim=1))
+        bounds = _bounds(params, qkv.shape[1])
+        runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in pairwise(bounds)]
+        q, k, v = layer.heads(torch.cat([*runs, qkv[:, bounds[-1] :]], dim=1))
         if params is None:
             return gated_delta.chunked(q, k, v, g, beta)[0]
-        return gated_delta.packed(q, k, v, g, beta, [a for a, _ in spans] + [spans[-1][1]])
+        return gated_delta.packed(q, k, v, g, beta, bounds)
 
 
 class StateCache:

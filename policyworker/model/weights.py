@@ -19,7 +19,7 @@ import transformers
 from safetensors import safe_open
 
 from policyworker.model.experts import ExpertSplit, expert_shapes, fused_source, moe_mappings
-from policyworker.model.fused_experts import fuse
+from policyworker.model.fused_experts import expert_slice, fuse
 from policyworker.model.hf_config import ModelShape
 from policyworker.model.layouts import QKV, Copy, GatedQKV, GateUp, Mapping, RopeRows, VocabRows
 from policyworker.parallel.dims import Groups
@@ -309,9 +309,9 @@ def check_hf_folder(folder: str | Path, hf_config: Any, shape: ModelShape, *, fi
     for name in (n for m in mappings(shape) for n in m.hf):
         if name not in found and (shape_in := _in_fused(name, found)) is not None:
             found[name] = shape_in
-        fused = fused_source(name)
-        # an expert's rows of a fused tensor: say so, naming the tensor on disk
-        where = f"{name} (expert {fused.expert} of {fused.name})" if fused else name
+        where = name
+        if (ours := expert_slice(name)) is not None:  # our name for a fused tensor's expert rows
+            where = f"{name} (expert {ours[1]} of {ours[0]})"
         if name not in found:
             raise ValueError(f"{field}: {folder} has no tensor {where} (config.json needs it)")
         if found[name] != expected.get(name, found[name]):

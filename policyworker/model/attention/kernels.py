@@ -196,17 +196,21 @@ def varlen_reference(
     for group in chunk_spans([(a, b) for a, b in itertools.pairwise(cu.tolist()) if b > a]):
         start, end = group[0][0], group[-1][1]
         q, k, v = (x[start:end].transpose(0, 1) for x in (query, key, value))  # [h, t, d]
-        mask = None
-        if len(group) > 1:
-            lengths = torch.tensor([b - a for a, b in group], device=query.device)
-            seq = torch.repeat_interleave(torch.arange(len(group), device=query.device), lengths)
-            mask = (seq[:, None] == seq[None, :]).tril()
+        mask = same_sequence(group, query.device).tril() if len(group) > 1 else None
         gqa = q.shape[0] != k.shape[0]
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )
         out[start:end] = o.transpose(0, 1)
     return out
+
+
+def same_sequence(group: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """[t, t]: whether two tokens of a chunk of consecutive sequences (`group`'s spans) belong
+    to the same sequence."""
+    lengths = torch.tensor([b - a for a, b in group], device=device)
+    seq = torch.repeat_interleave(torch.arange(len(group), device=device), lengths)
+    return seq[:, None] == seq[None, :]
 
 
 def chunk_spans(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -19,7 +19,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from policyworker.model.attention.kernels import chunk_spans
+from policyworker.model.attention.kernels import chunk_spans, same_sequence
 from policyworker.model.attention.layout import CachedKernel, Kernels, Packed
 from policyworker.parallel.context import ContextPlan
 
@@ -95,10 +95,8 @@ class Masked:
         spans = [(a, b) for a, b in itertools.pairwise(where.cu_q.tolist()) if b > a]
         for group in chunk_spans(spans):
             start, end = group[0][0], group[-1][1]
-            lengths = torch.tensor([b - a for a, b in group], device=q.device)
-            seq = torch.repeat_interleave(torch.arange(len(group), device=q.device), lengths)
             pos = where.positions[start:end, 0]
-            allowed = reach(pos, pos, self.window) & (seq[:, None] == seq[None, :])
+            allowed = reach(pos, pos, self.window) & same_sequence(group, q.device)
             qs, ks, vs = (x[start:end].transpose(0, 1)[None] for x in (q, k, v))
             o = masked_sdpa(qs, ks, vs, allowed[None, None], scale, self.sinks)
             out[start:end] = o[0].transpose(0, 1)
