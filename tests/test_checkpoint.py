@@ -92,6 +92,8 @@ def two_rank_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     one = folder / "one-rank"
     saved_one = run_save(MegatronPolicyWorker(config(str(model_dir), tp=1, pp=1)), one)
     jobs["one-rank-into-tp2"] = {"model": model_dir, "tp": 2, "pp": 1, "ckpt": one}
+    hybrid = make_hf_model(folder / "qwen3_5", "qwen3_5", vocab_size=101)
+    jobs["qwen3_5-tp2"] = {"model": hybrid, "tp": 2, "pp": 1, "flags": ["sp"]}
     runs = save_then_resume(jobs, folder)
     runs["one-rank-into-tp2"]["save"] = saved_one
     return {**runs, "ckpts": {name: job["ckpt"] for name, job in jobs.items()}}
@@ -116,6 +118,26 @@ def test_exact_resume_and_reshard_on_load(layout, model_dir, two_rank_runs):
         optimizer_path=str(optim),
     )
     _assert_close(saved, run_resume(single, ckpt))
+
+
+@pytest.mark.processes
+def test_gated_deltanet_checkpoints_resume_exactly_and_load_into_one_rank(two_rank_runs):
+    """Qwen3.5 under TP2 + SP (each Gated DeltaNet layer's in-projection and conv saved block
+    by block, its per-head parameters split, the norm whole): a fresh TP2 run resumes bit for
+    bit, and one rank loads the same checkpoint and continues within 1e-5."""
+    job = two_rank_runs["qwen3_5-tp2"]
+    _assert_bitwise(job["save"], job["resume"])
+    _assert_bitwise(
+        job["save"], {"lp_at_save": job["resume"]["lp_at_save"], **job["resume"]["async"]}
+    )
+    ckpt = two_rank_runs["ckpts"]["qwen3_5-tp2"]
+    weights, optim = paths(ckpt, "sync")
+    single = MegatronPolicyWorker(
+        config(str(ckpt.parent / "qwen3_5"), tp=1, pp=1),
+        weights_path=str(weights),
+        optimizer_path=str(optim),
+    )
+    _assert_close(job["save"], run_resume(single, ckpt))
 
 
 @pytest.mark.processes

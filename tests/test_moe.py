@@ -447,10 +447,14 @@ FAMILY_FOUR_RANKS = {
     "gpt_oss-ep2-tp2-sequence-parallel-packed": (2, 1, ("sp", "ep", "pack")),
     # its windows and sinks at CP positions, beside EP2 (DP2)
     "gpt_oss-ep2-cp2-packed-chunked": (1, 1, ("ep", "cp", "pack", "chunk")),
-    # Gated DeltaNet layers on both stages (3 linear layers, 1 full: 2 and 2), packed; EP2 x PP2
-    # and split steps (Qwen2-MoE's EP2 runs split steps, TP2 + SP packed replay in GLM-4.5's
-    # layouts, EP2 x PP2 here)
-    "qwen3_5_moe-ep2-pp2-packed-split-step": (1, 2, ("ep", "pack", "split")),
+    # Gated DeltaNet layers split over TP2 (their key heads, one a rank) on both stages (3
+    # linear layers, 1 full: 2 and 2), packed, EP2 over the TP ranks, split steps; a later
+    # stage's routers get their sequence-parallel share of the padding mask (compat/router.py)
+    "qwen3_5_moe-ep2-tp2-pp2-sequence-parallel-packed-split-step": (
+        2,
+        2,
+        ("sp", "ep", "pack", "split"),
+    ),
 }
 
 

@@ -110,6 +110,9 @@ def transformer_config(
         gradient_accumulation_fusion=False,
         # Loss is already normalized by global token counts: DDP must sum, not average.
         calculate_per_token_loss=True,
+        # Gated DeltaNet and attention layers share parameter names with other shapes: each
+        # layer its own checkpoint keys (megatron stacks the layers' tensors otherwise)
+        hetereogenous_dist_checkpoint=bool(shape.linear_layers),
         **moe_fields(shape.moe, moe or MoEConfig()),
         **recompute_fields(recompute or RecomputeConfig()),
         **latent_fields(shape.latent),

@@ -7,7 +7,7 @@ dimensions in `_moe_shape`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +123,20 @@ class DeltaNetShape:
     conv_kernel: int
 
     @property
-    def conv_channels(self) -> int:
-        """q, k and v: the channels the causal conv runs over."""
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    def conv_blocks(self) -> tuple[int, int, int]:
+        """The channels of q, k and v, which the causal conv runs over."""
+        keys = self.key_heads * self.key_dim
+        return keys, keys, self.value_heads * self.value_dim
+
+    @property
+    def in_blocks(self) -> tuple[int, ...]:
+        """The fused in-projection's outputs: q, k, v, then z (the gate, one per value
+        channel), b and a (one per value head)."""
+        return (*self.conv_blocks, self.value_heads * self.value_dim, *(self.value_heads,) * 2)
+
+    def split(self, tp: int) -> DeltaNetShape:
+        """One TP rank's share: its key heads and the value heads that read them."""
+        return replace(self, key_heads=self.key_heads // tp, value_heads=self.value_heads // tp)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,13 +40,12 @@ def check_layout(
     field = "parallel.{}_size".format
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     _check_experts(parallel, shape, moe or MoEConfig())
-    if shape.delta_net is not None:  # its TP split and CP state passing are not built yet
-        for name, size in (("tensor_model_parallel", tp), ("context_parallel", parallel.context_parallel_size)):  # fmt: skip
-            if size > 1:
-                raise ValueError(
-                    f"{field(name)}: expected 1 with Gated DeltaNet layers (not supported yet), "
-                    f"got {size}"
-                )
+    cp = parallel.context_parallel_size
+    if shape.delta_net is not None and cp > 1:  # passing the recurrent state on: not built yet
+        raise ValueError(
+            f"{field('context_parallel')}: expected 1 with Gated DeltaNet layers (not "
+            f"supported yet), got {cp}"
+        )
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
     if shape.moe is not None and tp > 1 and not parallel.sequence_parallel:
@@ -59,6 +58,8 @@ def check_layout(
         "num_key_value_heads": shape.num_kv_heads,
         "intermediate_size": shape.ffn_hidden_size,
     }
+    if shape.delta_net is not None:
+        tp_split["linear_num_key_heads"] = shape.delta_net.key_heads
     if shape.moe is not None:
         tp_split["moe_intermediate_size"] = shape.moe.expert_ffn_size
         tp_split["shared_expert_intermediate_size"] = shape.moe.shared_expert_ffn_size

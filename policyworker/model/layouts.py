@@ -5,15 +5,19 @@ the HF tensors it is made of, in one of four layouts:
 * `QKV`: q/k/v projections fused per query group, the layout megatron's `linear_qkv` uses:
   for each of the `ng` groups, `[q heads of the group, k, v]` stacked along dim 0;
 * `GateUp`: `linear_fc1 = [gate; up]` (dense MLPs, experts, shared experts);
+* `Parts`: several HF tensors stacked along dim 0, TP splitting each block on its own (a Gated
+  DeltaNet layer's fused in-projection and its conv);
 * `VocabRows`: embedding and output rows, padded to a multiple of TP.
 
 Each converts full (unsharded) tensors both ways, exactly (export(import(w)) == w), and cuts or
-joins tensor-parallel shards.
+joins tensor-parallel shards: TP splits each of a mapping's `blocks` along `tp_dim` on its own
+(a rank holds `[block 0's shard r; block 1's shard r; ...]`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -34,15 +38,28 @@ class Copy:
     def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
         return [tensor]
 
+    def blocks(self, full: int) -> tuple[int, ...]:
+        """The lengths along `tp_dim` of the blocks TP splits each on its own (whole: one)."""
+        return (full,)
+
     def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
         if self.tp_dim is None or size == 1:
             return full
-        return full.chunk(size, dim=self.tp_dim)[rank]
+        dim = self.tp_dim
+        blocks = full.split(self.blocks(full.shape[dim]), dim=dim)
+        if len(blocks) == 1:
+            return full.chunk(size, dim=dim)[rank]
+        return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim)
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         if self.tp_dim is None or len(shards) == 1:
             return shards[0]
-        return torch.cat(shards, dim=self.tp_dim)
+        dim, n = self.tp_dim, len(shards)
+        per = [b // n for b in self.blocks(shards[0].shape[dim] * n)]
+        if len(per) == 1:
+            return torch.cat(shards, dim=dim)
+        cut = [s.split(per, dim=dim) for s in shards]
+        return torch.cat([c[b] for b in range(len(per)) for c in cut], dim=dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +119,29 @@ class GateUp(Copy):
     def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
         return list(tensor.chunk(2, dim=0))
 
-    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    def blocks(self, full: int) -> tuple[int, ...]:
+        return (full // 2, full // 2)
 
-    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+
+@dataclass(frozen=True, slots=True)
+class Parts(Copy):
+    """HF tensors stacked along dim 0 as blocks of `sizes` (each TP-split on its own); the HF
+    tensor `i` holds `tensors[i]` consecutive blocks. A Gated DeltaNet layer's in-projection:
+    blocks q, k, v, z, b, a from in_proj_qkv (3), in_proj_z, in_proj_b, in_proj_a."""
+
+    sizes: tuple[int, ...] = ()
+    tensors: tuple[int, ...] = ()
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        return torch.cat(tensors, dim=0)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        ends = list(accumulate(self.tensors, initial=0))
+        lengths = [sum(self.sizes[a:z]) for a, z in pairwise(ends)]
+        return list(tensor.split(lengths, dim=0))
+
+    def blocks(self, full: int) -> tuple[int, ...]:
+        return self.sizes
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +160,7 @@ class VocabRows(Copy):
         return [tensor[: shape.vocab_size]]
 
 
-Mapping = Copy | QKV | GateUp | VocabRows
+Mapping = Copy | QKV | GateUp | Parts | VocabRows
 
 
 @dataclass(frozen=True, slots=True)

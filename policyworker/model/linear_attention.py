@@ -2,9 +2,8 @@
 self-attention slot of a decoder layer (the hybrid pattern is a layer spec per layer:
 `model/build.layer_spec`).
 
-    x ─ linear_qkv ─ causal depthwise conv (kernel K) + silu ─ q, k, v (q/k: key heads)
-      ─ linear_z, linear_b, linear_a ─ z (the output gate), β = sigmoid(b),
-                                         g = −exp(A_log) · softplus(a + dt_bias)
+    x ─ in_proj ─ qkv ─ causal depthwise conv (kernel K) + silu ─ q, k, v (q/k: key heads)
+                ─ z (the output gate), b, a ─ β = sigmoid(b), g = −exp(A_log) · softplus(a + dt_bias)
     o = gated delta rule(q, k, v, g, β)   (`ops/gated_delta.py`; q/k repeated to the value heads)
     out = linear_proj(RMSNorm(o) · silu(z))  (the norm per value head, HF's gated arithmetic)
 
@@ -12,8 +11,14 @@ The arithmetic is transformers' `Qwen3_5GatedDeltaNet` (the conv in the weight's
 decay and the recurrence in fp32). How the recurrence runs is the phase's, a small type on a
 switch every such layer shares (`ForwardPaths.install`): `Whole` in training and scoring (packed
 sequences (THD) each from a zero state and an empty conv window: nothing crosses a `cu_seqlens`
-boundary), `Cached` in generation (a `StateCache` of each row's conv window and state). One TP
-rank and no CP yet (`layout_checks.check_layout` refuses them by name).
+boundary), `Cached` in generation (a `StateCache` of each row's conv window and state).
+
+Tensor parallelism splits the heads: the in-projection is one column-parallel GEMM whose rows are
+the blocks q, k, v, z, b, a, each split over TP on its own (`layouts.Parts`), so a rank holds
+its key heads, the value heads that read them, and their conv channels, decays and gates; the
+out-projection is row-parallel. The norm's weight (one per value channel, every head's) is whole
+on each rank and its gradient summed over TP. No CP yet (`layout_checks.check_layout` refuses
+it by name).
 """
 
 from __future__ import annotations
@@ -23,10 +28,21 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.ssm.utils import _split_tensor_factory
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from policyworker.model.attention.core import Switch
 from policyworker.model.hf_config import DeltaNetShape
@@ -48,29 +64,24 @@ class GatedDeltaNet(MegatronModule):
         **megatron: Any,
     ) -> None:
         super().__init__(config=config)
-        self.shape, self.eps = shape, config.layernorm_epsilon
-        hidden, values = config.hidden_size, shape.value_heads * shape.value_dim
-
-        def column(out: int) -> ColumnParallelLinear:
-            return ColumnParallelLinear(
-                hidden, out, config=config, init_method=config.init_method,
-                gather_output=False, bias=False, skip_bias_add=False,
-            )  # fmt: skip
-
-        self.linear_qkv = column(shape.conv_channels)
-        self.linear_z = column(values)
-        self.linear_b = column(shape.value_heads)
-        self.linear_a = column(shape.value_heads)
-        dtype = config.params_dtype
-        self.conv_weight = torch.nn.Parameter(
-            torch.empty(shape.conv_channels, 1, shape.conv_kernel, dtype=dtype)
+        tp = config.tensor_model_parallel_size
+        self.shape, self.eps = shape.split(tp), config.layernorm_epsilon
+        """This rank's heads (`DeltaNetShape.split`)."""
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size, sum(shape.in_blocks), config=config,
+            init_method=config.init_method, gather_output=False, bias=False,
+        )  # fmt: skip
+        dtype, local = config.params_dtype, self.shape
+        self.conv_weight = _split(
+            torch.empty(sum(local.conv_blocks), 1, local.conv_kernel, dtype=dtype)
         )
-        self.A_log = torch.nn.Parameter(torch.empty(shape.value_heads, dtype=dtype))
-        self.dt_bias = torch.nn.Parameter(torch.empty(shape.value_heads, dtype=dtype))
+        self.A_log = _split(torch.empty(local.value_heads, dtype=dtype))
+        self.dt_bias = _split(torch.empty(local.value_heads, dtype=dtype))
         self.norm_weight = torch.nn.Parameter(torch.ones(shape.value_dim, dtype=dtype))
         self.linear_proj = RowParallelLinear(
-            values, hidden, config=config, init_method=config.output_layer_init_method,
-            bias=False, input_is_parallel=True, skip_bias_add=True,
+            shape.value_heads * shape.value_dim, config.hidden_size, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True,
         )  # fmt: skip
         self.number = layer_number
         """megatron's layer number (global, from 1): this layer's slot in a state cache."""
@@ -85,17 +96,41 @@ class GatedDeltaNet(MegatronModule):
         **unused: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, hidden] (THD: [t, 1, hidden]) -> (out, None) like megatron's attention."""
-        qkv, z, b, a = (
-            lin(hidden_states)[0].transpose(0, 1)
-            for lin in (self.linear_qkv, self.linear_z, self.linear_b, self.linear_a)
-        )  # [b, s, ...]
+        s = self.shape
+        mixed = self.in_proj(hidden_states)[0].transpose(0, 1)  # [b, s, this rank's blocks]
+        qkv, z, b, a = mixed.split([sum(s.conv_blocks), *s.in_blocks[3:]], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = self.mixing.now.mix(self, qkv, g, beta, packed_seq_params)
-        s, heads = self.shape, qkv.shape[:2]
+        heads = qkv.shape[:2]
         out = self._gated_norm(out, z.reshape(*heads, s.value_heads, s.value_dim))
         out, bias = self.linear_proj(out.reshape(*heads, -1).transpose(0, 1))
         return out, bias
+
+    def sharded_state_dict(
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict | None = None,
+    ) -> dict:
+        """Each TP-split block of the in-projection and the conv its own sharded tensor (as
+        megatron's GatedDeltaNet does), so a checkpoint loads under another TP size."""
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        own = {n: getattr(self, n) for n in ("conv_weight", "A_log", "dt_bias", "norm_weight")}
+        state.update(
+            make_sharded_tensors_for_checkpoint(
+                own, prefix, {"conv_weight": 0, "A_log": 0, "dt_bias": 0}, sharded_offsets,
+                tp_group=tp_group,
+                dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
+            )
+        )  # fmt: skip
+        s, names = self.shape, ["query", "key", "value", "z", "b", "a"]
+        for key, blocks in (("in_proj.weight", s.in_blocks), ("conv_weight", s.conv_blocks)):
+            state[prefix + key] = _split_tensor_factory(
+                state[prefix + key], list(blocks), names[: len(blocks)], 0
+            )
+        return state
 
     def conv(self, x: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv and silu over one run of tokens [b, s, c] (transformers'
@@ -111,8 +146,7 @@ class GatedDeltaNet(MegatronModule):
         """The conv's output [b, s, c] -> q, k [b, s, value heads, key_dim] (the key heads
         repeated), v [b, s, value heads, value_dim]."""
         s, lead = self.shape, mixed.shape[:2]
-        keys = s.key_heads * s.key_dim
-        q, k, v = mixed.split([keys, keys, s.value_heads * s.value_dim], dim=-1)
+        q, k, v = mixed.split(list(s.conv_blocks), dim=-1)
         q, k = (x.reshape(*lead, s.key_heads, s.key_dim) for x in (q, k))
         if s.value_heads > s.key_heads:
             q, k = (x.repeat_interleave(s.value_heads // s.key_heads, dim=2) for x in (q, k))
@@ -120,8 +154,17 @@ class GatedDeltaNet(MegatronModule):
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each value head (Llama's arithmetic, `ops.rms_norm`), then times
-        silu(z) in fp32 (transformers' `RMSNormGated`)."""
-        return (rms_norm(o, self.norm_weight, self.eps) * F.silu(z.float())).to(o.dtype)
+        silu(z) in fp32 (transformers' `RMSNormGated`). Every TP rank's heads read the one
+        weight: its gradient is their sum."""
+        weight = copy_to_tensor_model_parallel_region(self.norm_weight)
+        return (rms_norm(o, weight, self.eps) * F.silu(z.float())).to(o.dtype)
+
+
+def _split(t: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter split over TP along dim 0 (its rows this rank's heads or channels)."""
+    p = torch.nn.Parameter(t)
+    set_tensor_model_parallel_attributes(p, True, 0, 1)
+    return p
 
 
 def _bounds(params: PackedSeqParams | None, tokens: int) -> list[int]:

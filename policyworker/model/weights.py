@@ -20,8 +20,17 @@ from safetensors import safe_open
 
 from policyworker.model.experts import ExpertSplit, expert_shapes, fused_source, moe_mappings
 from policyworker.model.fused_experts import expert_slice, fuse
-from policyworker.model.hf_config import ModelShape
-from policyworker.model.layouts import QKV, Copy, GatedQKV, GateUp, Mapping, RopeRows, VocabRows
+from policyworker.model.hf_config import DeltaNetShape, ModelShape
+from policyworker.model.layouts import (
+    QKV,
+    Copy,
+    GatedQKV,
+    GateUp,
+    Mapping,
+    Parts,
+    RopeRows,
+    VocabRows,
+)
 from policyworker.parallel.dims import Groups
 
 __all__ = ["QKV", "Copy", "GateUp", "Mapping", "VocabRows", "mappings"]
@@ -56,7 +65,7 @@ def _layer_mappings(i: int, shape: ModelShape) -> list[Mapping]:
     m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
     out: list[Mapping] = [Copy(m + "input_layernorm.weight", (h + "input_layernorm.weight",), None)]
     if shape.linear_layers and shape.linear_layers[i]:
-        out += _delta_net_mappings(m + "self_attention.", h + "linear_attn.")
+        out += _delta_net_mappings(m + "self_attention.", h + "linear_attn.", shape.delta_net)
     else:
         out += _self_attention_mappings(m, h + "self_attn.", shape)
     out.append(Copy(m + "pre_mlp_layernorm.weight", (h + "post_attention_layernorm.weight",), None))
@@ -75,17 +84,18 @@ def _self_attention_mappings(m: str, attn: str, shape: ModelShape) -> list[Mappi
     return out
 
 
-def _delta_net_mappings(a: str, hf: str) -> list[Mapping]:
-    """A Gated DeltaNet layer's (`model/linear_attention.py`; one TP rank for now)."""
-    same = {"linear_qkv.weight": "in_proj_qkv.weight", "linear_z.weight": "in_proj_z.weight",
-            "linear_b.weight": "in_proj_b.weight", "linear_a.weight": "in_proj_a.weight",
-            "conv_weight": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias"}  # fmt: skip
-    out: list[Mapping] = [Copy(a + ours, (hf + theirs,), 0) for ours, theirs in same.items()]
-    out += [
+def _delta_net_mappings(a: str, hf: str, net: DeltaNetShape) -> list[Mapping]:
+    """A Gated DeltaNet layer's (`model/linear_attention.py`): its fused in-projection and conv
+    split over TP block by block, its per-head parameters by heads, the norm whole."""
+    ins = tuple(hf + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+    return [
+        Parts(a + "in_proj.weight", ins, 0, net.in_blocks, (3, 1, 1, 1)),
+        Parts(a + "conv_weight", (hf + "conv1d.weight",), 0, net.conv_blocks, (3,)),
+        Copy(a + "A_log", (hf + "A_log",), 0),
+        Copy(a + "dt_bias", (hf + "dt_bias",), 0),
         Copy(a + "norm_weight", (hf + "norm.weight",), None),
         Copy(a + "linear_proj.weight", (hf + "out_proj.weight",), 1),
     ]
-    return out
 
 
 def _attention_mappings(m: str, attn: str, shape: ModelShape) -> list[Mapping]:

@@ -7,7 +7,7 @@ Members: the trainer's ranks (refit ranks 0..S-1, their own global ranks) and th
 workers' (S..S+D-1), one process group set up over a TCP store, where each member also posts
 its place (role, TP and expert TP/EP ranks and sizes, whether it sends). Both sides cut every
 TP-sharded megatron weight into the same pieces: the overlap of a source shard with a destination
-shard, along the split dim (gate and up halves separately; vocabulary rows up to the true
+shard, along the split dim (each of a mapping's blocks separately; vocabulary rows up to the true
 vocabulary). The owner of a piece in data-parallel replica 0 sends exactly that slice to every
 destination rank of the matching TP rank: no rank ever holds a whole large weight it does not
 own. A routed expert's pieces go from the EP rank that holds it (expert-data-parallel replica 0),
@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from policyworker.model.experts import ExpertSplit
 from policyworker.model.hf_config import ModelShape
-from policyworker.model.layouts import GateUp, Mapping, VocabRows
+from policyworker.model.layouts import Mapping, VocabRows
 from policyworker.model.weights import mappings
 from policyworker.parallel.dims import tcp_store
 from policyworker.refit.group import agree, fingerprint, start_broadcast, wait_for
@@ -71,24 +71,24 @@ def pieces(
     m: Mapping, shape: ModelShape, src_tp: int, dst_tp: int, local: int, tp: int
 ) -> list[Piece]:
     """The pieces of mapping `m` between TP sizes `src_tp` and `dst_tp`. `local` is this side's
-    shard length along the TP dim and `tp` this side's TP size (to recover the full length)."""
-    halves = 2 if isinstance(m, GateUp) else 1
-    if isinstance(m, VocabRows):
-        true = shape.vocab_size
-        per = {s: shape.padded_vocab_size(s) // s for s in (src_tp, dst_tp)}
+    shard length along the TP dim and `tp` this side's TP size (to recover the full length);
+    each of `m.blocks` is cut on its own (gate and up; a DeltaNet's q, k, v, z, b, a)."""
+    sides = (src_tp, dst_tp)
+    if isinstance(m, VocabRows):  # (true length, shard length per TP size) of each block
+        blocks = [(shape.vocab_size, {s: shape.padded_vocab_size(s) // s for s in sides})]
     else:
-        true = local * tp // halves
-        per = {s: true // s for s in (src_tp, dst_tp)}
-    out = []
-    for h in range(halves):
+        blocks = [(b, {s: b // s for s in sides}) for b in m.blocks(local * tp)]
+    out, src_at, dst_at = [], 0, 0  # each block's start in a source / destination shard
+    for true, per in blocks:
         for i in range(src_tp):
             for j in range(dst_tp):
                 start = max(i * per[src_tp], j * per[dst_tp])
                 end = min((i + 1) * per[src_tp], (j + 1) * per[dst_tp], true)
                 if start < end:
-                    src = h * per[src_tp] + start - i * per[src_tp]
-                    dst = h * per[dst_tp] + start - j * per[dst_tp]
+                    src = src_at + start - i * per[src_tp]
+                    dst = dst_at + start - j * per[dst_tp]
                     out.append(Piece(i, j, src, dst, end - start))
+        src_at, dst_at = src_at + per[src_tp], dst_at + per[dst_tp]
     return out
 
 
