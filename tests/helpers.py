@@ -27,6 +27,7 @@ ARCHS = {
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
 }
 MOE = {
     "qwen3_moe": dict(
@@ -74,6 +75,10 @@ MOE["qwen3_5_moe"] = {  # Qwen3.5's layers with Qwen2-MoE's experts in every lay
     **{k: v for k, v in MOE["qwen2_moe"].items() if k != "norm_topk_prob"},
     "architectures": ["Qwen3_5MoeForCausalLM"],
 }
+MOE["qwen3_next"] = {  # the same, in-projections fused per key head; a dense first layer
+    **{k: v for k, v in MOE["qwen3_5_moe"].items() if k != "architectures"},
+    "norm_topk_prob": True, "mlp_only_layers": [0], "architectures": ["Qwen3NextForCausalLM"],
+}  # fmt: skip
 
 
 def make_hf_model(folder: Path, arch: str = "llama", *, seed: int = 0, **overrides: object) -> Path:

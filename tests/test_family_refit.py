@@ -1,7 +1,8 @@
 """The new families' weights through the refit transports into the transformers engine: GLM-4.5
 (sigmoid routers whose expert bias is a buffer, not a parameter; ungated shared experts) through
 every transport, DeepSeek-V3 (latent attention's projections and norms) and gpt-oss (sinks,
-biases, experts sent fused as its checkpoints hold them) too, after a step that moved the
+biases, experts sent fused as its checkpoints hold them), Qwen3.5 and Qwen3-Next (Gated DeltaNet
+layers) too, after a step that moved the
 weights (and the expert bias) — the engine holds the trainer's export bit for bit and scores as
 the trainer does."""
 
@@ -27,7 +28,7 @@ KEY = "a test run's key"
 def folders(tmp_path_factory):
     return {
         f: make_hf_model(tmp_path_factory.mktemp(f), f)
-        for f in ("glm4_moe", "deepseek_v3", "gpt_oss")
+        for f in ("glm4_moe", "deepseek_v3", "gpt_oss", "qwen3_5", "qwen3_next")
     }
 
 
@@ -61,6 +62,10 @@ def _refit(worker, gen: GenerationProcess, transport: str) -> None:
         ("deepseek_v3", "sparse"),
         ("gpt_oss", "ipc"),  # the collective transport sends the same names and tensors
         ("gpt_oss", "sparse"),
+        # Gated DeltaNet layers: Qwen3.5's in-projections as four tensors, Qwen3-Next's fused
+        # per key head
+        ("qwen3_5", "sparse"),
+        ("qwen3_next", "ipc"),
     ],
 )
 def test_refits_into_the_transformers_engine_exactly(folders, family, transport, monkeypatch):
@@ -69,8 +74,11 @@ def test_refits_into_the_transformers_engine_exactly(folders, family, transport,
     moe = MoEConfig(moe_router_bias_update_rate=1e-2)
     worker = make_worker(folder, optimizer=OptimizerConfig(lr=1e-2), moe=moe)
     info = worker.prepare_refit_info()
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"  # the sigmoid routers'
-    moved = bias if family != "gpt_oss" else "model.layers.1.mlp.experts.gate_up_proj_bias"
+    moved = {  # the sigmoid routers' expert bias; a weight only these families have
+        "gpt_oss": "model.layers.1.mlp.experts.gate_up_proj_bias",
+        "qwen3_5": "model.layers.0.linear_attn.in_proj_qkv.weight",
+        "qwen3_next": "model.layers.0.linear_attn.in_proj_qkvz.weight",
+    }.get(family, "model.layers.1.mlp.gate.e_score_correction_bias")
     assert moved in info
     if transport == "sparse":
         worker.init_remote_sparse_delta_baseline(shard_rank=0, shard_count=1, transport="zmq")

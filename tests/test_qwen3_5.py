@@ -30,12 +30,13 @@ def folder(tmp_path_factory):
     return make_hf_model(tmp_path_factory.mktemp("qwen3_5") / "m", "qwen3_5")
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def each(request, folder, tmp_path_factory):
-    """The dense model, and Qwen3.5-MoE (Qwen2-MoE's experts in every layer, renormalized)."""
+    """The dense model, Qwen3.5-MoE (Qwen2-MoE's experts in every layer, renormalized) and
+    Qwen3-Next (the same layers, a dense first MLP, in-projections fused per key head)."""
     if request.param == "qwen3_5":
         return folder
-    return make_hf_model(tmp_path_factory.mktemp("qwen3_5_moe") / "m", "qwen3_5_moe")
+    return make_hf_model(tmp_path_factory.mktemp(request.param) / "m", request.param)
 
 
 def _inputs(b=2, s=150, h=4, dk=16, dv=24, seed=0):
@@ -89,9 +90,28 @@ def test_the_shape_reads_the_hybrid_pattern_and_refuses_what_is_not_built(folder
     worker = make_worker(folder)
     with pytest.raises(ValueError, match="calibrate_qkv_fp8_scales: not supported yet"):
         worker.calibrate_qkv_fp8_scales(data=make_batch(batch=2, seq=8))
-    for architecture in ("Qwen3_5ForConditionalGeneration", "Qwen3NextForCausalLM"):
-        with pytest.raises(UnsupportedModelError, match="not supported yet"):
-            model_shape(transformers.PretrainedConfig(architectures=[architecture]))
+    vision = transformers.PretrainedConfig(architectures=["Qwen3_5ForConditionalGeneration"])
+    with pytest.raises(UnsupportedModelError, match="not supported yet"):
+        model_shape(vision)
+
+
+def test_qwen3_next_in_projections_fused_per_key_head_are_read_as_the_parts(tmp_path):
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba (per key head: q, k, then its value heads' v, z;
+    their b, a) become the same [q; k; v; z; b; a] blocks as Qwen3.5's four tensors, and back."""
+    folder = make_hf_model(tmp_path / "m", "qwen3_next")
+    shape = model_shape(transformers.AutoConfig.from_pretrained(folder))
+    assert shape.delta_net == DeltaNetShape(2, 4, 16, 8, 4, grouped_on_disk=True)
+    reader = SafetensorsReader(folder)
+    m = next(m for m in mappings(shape) if m.mcore.endswith("0.self_attention.in_proj.weight"))
+    qkvz, ba = (reader.get(n) for n in m.hf)
+    full = m.to_mcore([qkvz, ba], shape)
+    head = 16 + 16 + 2 * 8 + 2 * 8  # key head 1's rows: q, k, its 2 value heads' v, then z
+    q1, k1, v1, z1 = qkvz[head : 2 * head].split([16, 16, 16, 16])
+    q, k, v, z, b, a = full.split(list(shape.delta_net.in_blocks))
+    assert torch.equal(q[16:], q1) and torch.equal(k[16:], k1)
+    assert torch.equal(v[16:], v1) and torch.equal(z[16:], z1)
+    assert torch.equal(b[2:], ba[4:6]) and torch.equal(a[2:], ba[6:8])  # its b, then its a
+    assert all(torch.equal(x, y) for x, y in zip(m.to_hf(full, shape), (qkvz, ba), strict=True))
 
 
 def test_tp_shards_hold_their_heads_and_reshard_pieces_rebuild_them(folder):

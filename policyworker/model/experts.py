@@ -52,6 +52,7 @@ EXPERT_NAMES: dict[str, ExpertNames] = {
     "Qwen2MoeForCausalLM": _QWEN,
     "Qwen3MoeForCausalLM": _QWEN,
     "Qwen3_5MoeForCausalLM": _QWEN,
+    "Qwen3NextForCausalLM": _QWEN,
     "Glm4MoeForCausalLM": _GLM,
 }
 

@@ -56,6 +56,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3_5MoeForCausalLM": ArchSpec(
         qkv_bias=False, qk_norm=True, output_gate=True, zero_centered_norm=True
     ),
+    # Qwen3.5-MoE's layers, the linear layers' in-projections fused per key head on disk
+    "Qwen3NextForCausalLM": ArchSpec(
+        qkv_bias=False, qk_norm=True, output_gate=True, zero_centered_norm=True
+    ),
 }
 CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 """Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
@@ -64,11 +68,11 @@ CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
     "Qwen3_5ForConditionalGeneration": "Qwen3.5's vision-language checkpoint (its text model, "
     "Qwen3_5ForCausalLM with weights under model.*, is supported)",
-    "Qwen3NextForCausalLM": "Qwen3-Next (gated DeltaNet linear attention)",
 }
 GPT_OSS = "GptOssForCausalLM"
-QWEN3_5 = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-"""Qwen3.5's text models: Gated DeltaNet layers (`DeltaNetShape`)."""
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", QWEN3_NEXT)
+"""Qwen3.5's text models and Qwen3-Next: Gated DeltaNet layers (`DeltaNetShape`)."""
 GPT_OSS_SWIGLU_LIMIT = 7.0
 """gpt-oss's SwiGLU clamp, a constant in transformers' `GptOssExperts` (its alpha, 1.702, is
 megatron's `quick_gelu`'s)."""
@@ -114,13 +118,16 @@ class LatentShape:
 
 @dataclass(frozen=True, slots=True)
 class DeltaNetShape:
-    """A Gated DeltaNet layer's dimensions (`linear_*` of the HF config: Qwen3.5)."""
+    """A Gated DeltaNet layer's dimensions (`linear_*` of the HF config: Qwen3.5, Qwen3-Next)."""
 
     key_heads: int
     value_heads: int
     key_dim: int
     value_dim: int
     conv_kernel: int
+    grouped_on_disk: bool = False
+    """HF's in-projections fused per key head (Qwen3-Next's in_proj_qkvz and in_proj_ba), not
+    one tensor per part (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
 
     @property
     def conv_blocks(self) -> tuple[int, int, int]:
@@ -270,18 +277,19 @@ def model_shape(hf_config: Any) -> ModelShape:
         rotary_offset=offset,
         latent=latent,
         **(_gpt_oss_fields(hf_config) if name == GPT_OSS else {}),
-        **(_delta_net_fields(hf_config) if name in QWEN3_5 else {}),
+        **(_delta_net_fields(hf_config, name) if name in HYBRID else {}),
     )
 
 
-def _delta_net_fields(hf_config: Any) -> dict[str, Any]:
-    """Qwen3.5's hybrid pattern and its linear layers' dimensions."""
+def _delta_net_fields(hf_config: Any, name: str) -> dict[str, Any]:
+    """The hybrid pattern and the linear layers' dimensions."""
     shape = DeltaNetShape(
         key_heads=hf_config.linear_num_key_heads,
         value_heads=hf_config.linear_num_value_heads,
         key_dim=hf_config.linear_key_head_dim,
         value_dim=hf_config.linear_value_head_dim,
         conv_kernel=hf_config.linear_conv_kernel_dim,
+        grouped_on_disk=name == QWEN3_NEXT,
     )
     if shape.value_heads % shape.key_heads:
         raise UnsupportedModelError(
@@ -367,7 +375,12 @@ def _moe_shape(name: str, hf_config: Any) -> MoEShape | None:
         )
     if name in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
         return _sigmoid_moe_shape(hf_config)
-    if name not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM"):
+    if name not in (
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+        QWEN3_NEXT,
+    ):
         return None
     # Qwen3.5-MoE: every layer, the top k always renormalized (no such keys in its config)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or [])

@@ -6,7 +6,8 @@ the HF tensors it is made of, in one of four layouts:
   for each of the `ng` groups, `[q heads of the group, k, v]` stacked along dim 0;
 * `GateUp`: `linear_fc1 = [gate; up]` (dense MLPs, experts, shared experts);
 * `Parts`: several HF tensors stacked along dim 0, TP splitting each block on its own (a Gated
-  DeltaNet layer's fused in-projection and its conv);
+  DeltaNet layer's fused in-projection and its conv; `KeyHeadGroups`: Qwen3-Next's, whose HF
+  tensors are fused per key head);
 * `VocabRows`: embedding and output rows, padded to a multiple of TP.
 
 Each converts full (unsharded) tensors both ways, exactly (export(import(w)) == w), and cuts or
@@ -158,6 +159,31 @@ class VocabRows(Copy):
 
     def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
         return [tensor[: shape.vocab_size]]
+
+
+@dataclass(frozen=True, slots=True)
+class KeyHeadGroups(Parts):
+    """Qwen3-Next's in-projections (`in_proj_qkvz`, `in_proj_ba`), fused per key head: for each
+    key head, its q, k rows, then the v, z rows and the b, a rows of the value heads that read
+    it. Held as `Parts`' blocks [q; k; v; z; b; a] (a permutation of rows, exact both ways)."""
+
+    def to_mcore(self, tensors: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+        net = shape.delta_net
+        assert net is not None
+        ratio = net.value_heads // net.key_heads
+        qkvz = [net.key_dim, net.key_dim, ratio * net.value_dim, ratio * net.value_dim]
+        parts = []
+        for t, sizes in zip(tensors, (qkvz, [ratio, ratio]), strict=True):
+            grouped = t.reshape(net.key_heads, sum(sizes), *t.shape[1:]).split(sizes, dim=1)
+            parts += [p.reshape(-1, *t.shape[1:]) for p in grouped]
+        return torch.cat(parts, dim=0)
+
+    def to_hf(self, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+        assert shape.delta_net is not None
+        heads, rest = shape.delta_net.key_heads, tensor.shape[1:]
+        parts = [p.reshape(heads, -1, *rest) for p in tensor.split(self.sizes, dim=0)]
+        return [torch.cat(parts[:4], dim=1).reshape(-1, *rest),
+                torch.cat(parts[4:], dim=1).reshape(-1, *rest)]  # fmt: skip
 
 
 Mapping = Copy | QKV | GateUp | Parts | VocabRows

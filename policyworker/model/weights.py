@@ -26,6 +26,7 @@ from policyworker.model.layouts import (
     Copy,
     GatedQKV,
     GateUp,
+    KeyHeadGroups,
     Mapping,
     Parts,
     RopeRows,
@@ -87,9 +88,14 @@ def _self_attention_mappings(m: str, attn: str, shape: ModelShape) -> list[Mappi
 def _delta_net_mappings(a: str, hf: str, net: DeltaNetShape) -> list[Mapping]:
     """A Gated DeltaNet layer's (`model/linear_attention.py`): its fused in-projection and conv
     split over TP block by block, its per-head parameters by heads, the norm whole."""
-    ins = tuple(hf + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+    if net.grouped_on_disk:
+        ins = (hf + "in_proj_qkvz.weight", hf + "in_proj_ba.weight")
+        in_proj: Mapping = KeyHeadGroups(a + "in_proj.weight", ins, 0, net.in_blocks, (4, 2))
+    else:
+        ins = tuple(hf + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+        in_proj = Parts(a + "in_proj.weight", ins, 0, net.in_blocks, (3, 1, 1, 1))
     return [
-        Parts(a + "in_proj.weight", ins, 0, net.in_blocks, (3, 1, 1, 1)),
+        in_proj,
         Parts(a + "conv_weight", (hf + "conv1d.weight",), 0, net.conv_blocks, (3,)),
         Copy(a + "A_log", (hf + "A_log",), 0),
         Copy(a + "dt_bias", (hf + "dt_bias",), 0),
