@@ -11,7 +11,7 @@ The arithmetic is transformers' `Qwen3_5GatedDeltaNet` (the conv in the weight's
 decay and the recurrence in fp32). How the recurrence runs is the phase's, a small type on a
 switch every such layer shares (`ForwardPaths.install`): `Whole` in training and scoring (packed
 sequences (THD) each from a zero state and an empty conv window: nothing crosses a `cu_seqlens`
-boundary), `Cached` in generation (a `StateCache` of each row's conv window and state).
+boundary; the rule itself ours in PyTorch or flash-linear-attention's kernels), `Cached` in generation (a `StateCache` of each row's conv window and state).
 
 Tensor parallelism splits the heads: the in-projection is one column-parallel GEMM whose rows are
 the blocks q, k, v, z, b, a, each split over TP on its own (`layouts.Parts`), so a rank holds
@@ -85,7 +85,7 @@ class GatedDeltaNet(MegatronModule):
         )  # fmt: skip
         self.number = layer_number
         """megatron's layer number (global, from 1): this layer's slot in a state cache."""
-        self.mixing: Switch[Mixing] = Switch(Whole())
+        self.mixing: Switch[Mixing] = Switch(Whole(gated_delta.TorchRule()))
         """How the layer runs its recurrence now (`ForwardPaths` installs one shared switch)."""
 
     def forward(
@@ -193,7 +193,12 @@ class Mixing(Protocol):
 
 
 class Whole:
-    """Training and scoring: each row (or packed sequence) whole, from a zero state."""
+    """Training and scoring: each row (or packed sequence) whole, from a zero state, by `rule`
+    (our PyTorch chunked form, or flash-linear-attention's kernels on a GPU in half precision:
+    `model/paths.choose_paths`)."""
+
+    def __init__(self, rule: gated_delta.DeltaRule) -> None:
+        self.rule = rule
 
     def mix(
         self,
@@ -207,8 +212,8 @@ class Whole:
         runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in pairwise(bounds)]
         q, k, v = layer.heads(torch.cat([*runs, qkv[:, bounds[-1] :]], dim=1))
         if params is None:
-            return gated_delta.chunked(q, k, v, g, beta)[0]
-        return gated_delta.packed(q, k, v, g, beta, bounds)
+            return self.rule.rows(q, k, v, g, beta)
+        return self.rule.packed(q, k, v, g, beta, bounds)
 
 
 class StateCache:

@@ -42,6 +42,7 @@ from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
 from policyworker.model.linear_attention import Cached, GatedDeltaNet, Mixing, StateCache, Whole
 from policyworker.model.rope_scaling import RopeFrequencies
 from policyworker.ops.compiled import triton_on
+from policyworker.ops.gated_delta import DeltaRule, FlaRule, TorchRule, fla_installed
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,6 +67,7 @@ class ForwardPaths:
         generation: Generation,
         rotate: Rotate,
         dtype: torch.dtype,
+        delta_rule: DeltaRule,
     ) -> None:
         self.training = Fresh(train, in_place=False)
         self.score = Fresh(score, in_place=True)
@@ -80,7 +82,7 @@ class ForwardPaths:
         self.mlp_chunk_tokens: int | None = None
         """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
         runs them whole."""
-        self.mixing: Switch[Mixing] = Switch(Whole())
+        self.mixing: Switch[Mixing] = Switch(Whole(delta_rule))
         """How every Gated DeltaNet layer runs its recurrence now (`model/linear_attention.py`)."""
 
     def install(
@@ -190,4 +192,10 @@ def choose_paths(
     )
     score = ByRows() if invariant else train
     rotate = rotate_for(device, rotary_dim, rotary_offset)
-    return ForwardPaths(train=train, score=score, generation=generation, rotate=rotate, dtype=dtype)
+    # the gated delta rule: flash-linear-attention's kernels where the attention takes the
+    # GPU's half-precision kernels too and fla-core is installed; else ours (exact)
+    rule: DeltaRule = FlaRule() if half_on_gpu and fla_installed() else TorchRule()
+    return ForwardPaths(
+        train=train, score=score, generation=generation, rotate=rotate, dtype=dtype,
+        delta_rule=rule,
+    )  # fmt: skip

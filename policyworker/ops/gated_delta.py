@@ -20,6 +20,7 @@ tokens, heads, dim], keys and queries already repeated to the value heads.
 from __future__ import annotations
 
 import itertools
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -126,3 +127,87 @@ def packed(
         if z > a:
             out[:, a:z] = chunked(q[:, a:z], k[:, a:z], v[:, a:z], g[:, a:z], beta[:, a:z])[0]
     return out
+
+
+class DeltaRule(Protocol):
+    """How a training or scoring forward runs the rule over whole sequences (each from a zero
+    state), chosen once for a model (`model/paths.choose_paths`)."""
+
+    def rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row of [b, t, ...] one sequence."""
+        ...
+
+    def packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: list[int],
+    ) -> torch.Tensor:
+        """The sequences packed in one row (`packed`'s contract)."""
+        ...
+
+
+class TorchRule:
+    """`chunked` and `packed` above: every device, fp32 inside (transformers' reference)."""
+
+    def rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        return chunked(q, k, v, g, beta)[0]
+
+    def packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: list[int],
+    ) -> torch.Tensor:
+        return packed(q, k, v, g, beta, cu_seqlens)
+
+
+class FlaRule:
+    """flash-linear-attention's chunked Triton kernels, forward and backward (`fla-core`, an
+    optional dependency: `pip install '.[gpu]'`; CUDA, half precision). The same rule with the
+    q/k L2 norm inside the kernel; a pack's sequences by `cu_seqlens` (varlen)."""
+
+    def __init__(self) -> None:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        self.kernel = chunk_gated_delta_rule
+
+    def rows(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        return self.kernel(q, k, v, g.float(), beta, use_qk_l2norm_in_kernel=True)[0]
+
+    def packed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: list[int],
+    ) -> torch.Tensor:
+        t, end = q.shape[1], cu_seqlens[-1]
+        bounds = torch.tensor([*cu_seqlens, t] if end < t else cu_seqlens, device=q.device)
+        out = self.kernel(
+            q, k, v, g.float(), beta, use_qk_l2norm_in_kernel=True, cu_seqlens=bounds
+        )[0]
+        return out if end == t else F.pad(out[:, :end], (0, 0, 0, 0, 0, t - end))
+
+
+def fla_installed() -> bool:
+    """Whether flash-linear-attention's kernels import here."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except ImportError:
+        return False
+    return True
