@@ -16,7 +16,6 @@ from test_moe import _hf_grads, _hf_rows, _worker_grads, assert_logprobs_and_top
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from policyworker.config import ParallelConfig, RecomputeConfig, SequencePackingConfig
-from policyworker.model.errors import UnsupportedModelError
 from policyworker.model.hf_config import DeltaNetShape, model_shape
 from policyworker.model.layout_checks import check_layout
 from policyworker.model.layouts import VocabRows
@@ -90,9 +89,6 @@ def test_the_shape_reads_the_hybrid_pattern_and_refuses_what_is_not_built(folder
     worker = make_worker(folder)
     with pytest.raises(ValueError, match="calibrate_qkv_fp8_scales: not supported yet"):
         worker.calibrate_qkv_fp8_scales(data=make_batch(batch=2, seq=8))
-    vision = transformers.PretrainedConfig(architectures=["Qwen3_5ForConditionalGeneration"])
-    with pytest.raises(UnsupportedModelError, match="not supported yet"):
-        model_shape(vision)
 
 
 def test_qwen3_next_in_projections_fused_per_key_head_are_read_as_the_parts(tmp_path):
@@ -162,11 +158,18 @@ def test_logprobs_topk_and_gradients_equal_transformers(each):
     ref = _hf_grads(folder, batch)
     grads = _worker_grads(make_worker(folder), batch)
     assert any(".linear_attn." in n for n in grads)
-    for name, g in grads.items():
-        want = _hf_rows(ref, name)
-        # A_log's gradient is ~1e-5 at most (most decays exp(g) are near 0): an absolute floor
-        scale = want.abs().max().clamp_min(1e-4)
-        assert ((g - want).abs().max() / scale).item() <= 1e-5, name
+    _assert_grads_close(grads, {name: _hf_rows(ref, name) for name in grads})
+
+
+def _assert_grads_close(got: dict, want: dict) -> None:
+    """Each parameter's gradient within 1e-5 of its own largest entry, or of 1e-4 x the model's
+    largest gradient where its own are smaller: the decays' parameters (A_log, dt_bias,
+    in_proj_a) have gradients of 1e-5 to 1e-4 (most decays exp(g) are near 0) beside the
+    model's ~5, and fp32 rounding elsewhere reaches them at ~2e-9 (measured)."""
+    floor = 1e-4 * max(w.abs().max() for w in want.values())
+    for name, g in got.items():
+        scale = torch.maximum(want[name].abs().max(), floor)
+        assert ((g - want[name]).abs().max() / scale).item() <= 1e-5, name
 
 
 def test_packing_recompute_and_chunking_equal_plain(folder):
@@ -183,11 +186,7 @@ def test_packing_recompute_and_chunking_equal_plain(folder):
     grads = _worker_grads(plain, data)
     full = RecomputeConfig(activation_checkpointing=True)
     for other in (make_worker(folder, recompute=full), packed):
-        got = _worker_grads(other, data)
-        for name, g in grads.items():
-            # A_log's floor (above); packed, its sums over tokens run in another order
-            scale = g.abs().max().clamp_min(2e-4)
-            assert ((got[name] - g).abs().max() / scale).item() <= 1e-5, name
+        _assert_grads_close(_worker_grads(other, data), grads)
 
 
 def test_export_reloads_into_transformers(each, tmp_path):
@@ -226,3 +225,29 @@ def test_generation_keeps_each_layers_state_and_its_logprobs_are_get_logprobs(ea
     assert int(mask.sum()) == 24
     # the issue's bound: 4.8e-7 measured (the recurrence token by token against chunked)
     assert (scored(worker, sampled) - sampled["logprobs"])[mask].abs().max() <= 1e-6
+
+
+def test_a_vision_language_checkpoints_language_model_trains_and_exports(folder, tmp_path):
+    """Qwen3.5's published checkpoints are vision-language (`Qwen3_5ForConditionalGeneration`:
+    the text model under `model.language_model.`, a vision tower beside it): its language model
+    loads (the tower is not read), scores as transformers' causal LM of the same folder, and
+    exports as that causal LM (`Qwen3_5ForCausalLM`), tensor for tensor the checkpoint's."""
+    from safetensors.torch import load_file
+
+    text = transformers.AutoConfig.from_pretrained(folder).to_dict()
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                  out_hidden_size=64, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)  # fmt: skip
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    vl = tmp_path / "vl"
+    transformers.Qwen3_5ForConditionalGeneration(cfg).save_pretrained(vl)
+    assert model_shape(transformers.AutoConfig.from_pretrained(vl)).delta_net is not None
+    assert_logprobs_and_topk_equal_transformers(vl)  # AutoModelForCausalLM: its text model
+    worker = make_worker(vl)
+    out = worker.save_hf_pretrained(tmp_path / "export")
+    saved, source = load_file(out / "model.safetensors"), load_file(vl / "model.safetensors")
+    assert transformers.AutoConfig.from_pretrained(out).architectures == ["Qwen3_5ForCausalLM"]
+    assert not any("visual" in n for n in saved)
+    for name, t in saved.items():
+        on_disk = name.replace("model.", "model.language_model.", 1)
+        assert torch.equal(t, source[on_disk if on_disk in source else name]), name

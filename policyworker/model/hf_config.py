@@ -7,6 +7,7 @@ dimensions in `_moe_shape`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,10 +66,14 @@ CONFIGURED_ATTENTION = {"Glm4MoeForCausalLM"}
 """Architectures whose `attention_bias` puts biases on q/k/v only (not on o_proj) and whose
 `use_qk_norm` adds per-head q/k norms."""
 
-NOT_YET: dict[str, str] = {  # architectures RL teams ask for, refused by name until they land
-    "Qwen3_5ForConditionalGeneration": "Qwen3.5's vision-language checkpoint (its text model, "
-    "Qwen3_5ForCausalLM with weights under model.*, is supported)",
+NOT_YET: dict[str, str] = {}
+"""Architectures RL teams ask for, refused by name until they land."""
+VISION_LANGUAGE = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
 }
+"""Vision-language checkpoints whose language model we train (the vision tower is not read), as
+the causal LM of their `text_config` (what transformers' AutoModelForCausalLM builds from them)."""
 GPT_OSS = "GptOssForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 HYBRID = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", QWEN3_NEXT)
@@ -215,14 +220,29 @@ def load_hf_config(
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return language_model(AutoConfig.from_pretrained(path, local_files_only=True))
     except (OSError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"{field}: {folder}/config.json does not load ({reason})") from None
 
 
+def language_model(hf_config: Any) -> Any:
+    """The config of the model we train: a vision-language checkpoint's `text_config` as its
+    causal LM (`VISION_LANGUAGE`; the checkpoint's top-level `tie_word_embeddings` kept); any
+    other config as it is. Its weights are read from under `model.language_model.`
+    (`weights.SafetensorsReader`) and exported as that causal LM's."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs or archs[0] not in VISION_LANGUAGE:
+        return hf_config
+    text = copy.deepcopy(hf_config.text_config)
+    text.architectures = [VISION_LANGUAGE[archs[0]]]
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return text
+
+
 def model_shape(hf_config: Any) -> ModelShape:
     """Validate an HF config and read its dimensions. Raises `UnsupportedModelError`."""
+    hf_config = language_model(hf_config)
     archs = list(getattr(hf_config, "architectures", None) or [])
     name = archs[0] if archs else ""
     if name in NOT_YET:

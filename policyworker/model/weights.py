@@ -9,7 +9,7 @@ the layout.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +162,27 @@ def _tied_output(shape: ModelShape, tp: int) -> VocabRows:
     return VocabRows("output_layer.weight", ("model.embed_tokens.weight",), 0, rows)
 
 
+LANGUAGE_MODEL = "model.language_model."
+"""Where a vision-language checkpoint (`hf_config.VISION_LANGUAGE`) holds its text model's
+`model.*` tensors."""
+
+
+def text_names(names: Iterable[str]) -> dict[str, str]:
+    """Our (the causal LM's) name of each tensor on disk -> its name there: the same names, or
+    a vision-language checkpoint's text model (`model.language_model.*` as `model.*`, `lm_head`)
+    without its vision tower."""
+    names = list(names)
+    if not any(n.startswith(LANGUAGE_MODEL) for n in names):
+        return {n: n for n in names}
+    text = {
+        "model." + n.removeprefix(LANGUAGE_MODEL): n for n in names if n.startswith(LANGUAGE_MODEL)
+    }
+    return text | {n: n for n in names if n.startswith("lm_head.")}
+
+
 class SafetensorsReader:
-    """Reads named tensors from a HF folder: `model.safetensors` or a sharded index."""
+    """Reads named tensors from a HF folder: `model.safetensors` or a sharded index (a
+    vision-language checkpoint's text model under our names: `text_names`)."""
 
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
@@ -171,14 +190,17 @@ class SafetensorsReader:
         single = folder / "model.safetensors"
         if index.exists():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            self._files = {name: folder / f for name, f in weight_map.items()}
+            files = {name: folder / f for name, f in weight_map.items()}
         elif single.exists():
             with safe_open(single, framework="pt") as f:
-                self._files = {name: single for name in f.keys()}  # noqa: SIM118
+                files = {name: single for name in f.keys()}  # noqa: SIM118
         else:
             raise FileNotFoundError(
                 f"{folder}: no model.safetensors or model.safetensors.index.json"
             )
+        self._disk = text_names(files)
+        """Our name -> the tensor's name on disk."""
+        self._files = {ours: files[disk] for ours, disk in self._disk.items()}
 
     def names(self) -> set[str]:
         return set(self._files)
@@ -188,19 +210,19 @@ class SafetensorsReader:
         if name not in self._files:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         with safe_open(self._files[name], framework="pt") as f:
-            return f.get_slice(name)[start:stop]
+            return f.get_slice(self._disk[name])[start:stop]
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor `name`; a per-expert name is also read out of transformers' fused layout
         (only that expert's rows are read)."""
         if name in self._files:
             with safe_open(self._files[name], framework="pt") as f:
-                return f.get_tensor(name)
+                return f.get_tensor(self._disk[name])
         fused = fused_source(name)
         if fused is None or fused.name not in self._files:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         with safe_open(self._files[fused.name], framework="pt") as f:
-            return fused.select(f.get_slice(fused.name)[fused.expert])
+            return fused.select(f.get_slice(self._disk[fused.name])[fused.expert])
 
 
 def load_hf_weights(
@@ -377,4 +399,4 @@ def _safetensors_headers(folder: Path, field: str) -> dict[str, tuple[int, ...]]
         if size < end:
             raise ValueError(f"{field}: {path} is truncated ({size} bytes; its header needs {end})")
         shapes.update({k: tuple(v["shape"]) for k, v in tensors.items()})
-    return shapes
+    return {ours: shapes[disk] for ours, disk in text_names(shapes).items()}
