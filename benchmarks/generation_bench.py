@@ -24,6 +24,8 @@ batch size and the ratios. CPU: a smoke run with `--smoke`.
         [--mismatch-sources]
     python benchmarks/generation_bench.py --arch deepseek_v3 --engines ours,engine,hf_static
         (moe_bench's 2.2B DeepSeek-V3-shaped model; its latent attention decodes with SDPA)
+    python benchmarks/generation_bench.py --arch qwen3_5 --engines ours,engine
+        (hybrid_bench's Qwen3.5-shaped model: its linear layers' conv windows and states cached)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from moe_bench import ARCH_DEFAULTS, random_moe
-from train_bench import DEVICE, emit, free, profile_table, random_model, sync
+from train_bench import DEVICE, emit, free, profile_table, random_model, save_random, sync
 
 
 def seconds(run: Callable[[], object]) -> tuple[float, object]:
@@ -214,11 +216,23 @@ def bench_hf_static(folder: Path, prompts: torch.Tensor, new: int, dtype: torch.
     return {"s": took, "tokens_per_s": prompts.shape[0] * new / took}
 
 
+def random_hybrid(positions: int, *, small: bool) -> tuple[Path, object, int]:
+    """hybrid_bench's Qwen3.5-shaped model (a tiny one for `--smoke`)."""
+    import transformers
+    from hybrid_bench import qwen3_5_config
+
+    size = dict(layers=4, hidden=64, ffn=96, vocab=1000) if small else {}
+    shape = dict(layers=8, hidden=2048, ffn=6144, vocab=151936) | size
+    cfg = qwen3_5_config(argparse.Namespace(**shape, long=positions, lengths=[], small=small))
+    return save_random(transformers.Qwen3_5ForCausalLM, cfg, "bench-qwen3-5-")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--arch", default="llama", choices=["llama", "deepseek_v3", "glm4_moe"],
-        help="llama: the dense model of train_bench; else moe_bench's model of that arch",
+        "--arch", default="llama", choices=["llama", "deepseek_v3", "glm4_moe", "qwen3_5"],
+        help="llama: the dense model of train_bench; qwen3_5: hybrid_bench's; else moe_bench's "
+        "model of that arch",
     )  # fmt: skip
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -243,6 +257,8 @@ def main() -> None:
     dtype = getattr(torch, precision)
     if args.arch == "llama":
         folder, cfg, n_params = random_model(args.layers, args.hidden, args.vocab)
+    elif args.arch == "qwen3_5":  # hybrid_bench's shape (--layers/--hidden/--vocab ignored)
+        folder, cfg, n_params = random_hybrid(args.prompt + args.new, small=args.smoke)
     else:  # moe_bench's shape of that arch (--layers/--hidden/--vocab ignored)
         shape = ARCH_DEFAULTS[args.arch] | {"seq": args.prompt + args.new, "arch": args.arch}
         if args.smoke:

@@ -52,7 +52,7 @@ def qwen3_5_config(args: argparse.Namespace) -> Any:
     return transformers.Qwen3_5TextConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn,
         num_hidden_layers=args.layers, linear_conv_kernel_dim=4, tie_word_embeddings=False,
-        max_position_embeddings=max(args.long, *args.lengths), architectures=["Qwen3_5ForCausalLM"],
+        max_position_embeddings=max([args.long, *args.lengths]), architectures=["Qwen3_5ForCausalLM"],
         **heads,
     )  # fmt: skip
 

@@ -251,3 +251,22 @@ def test_a_vision_language_checkpoints_language_model_trains_and_exports(folder,
     for name, t in saved.items():
         on_disk = name.replace("model.", "model.language_model.", 1)
         assert torch.equal(t, source[on_disk if on_disk in source else name]), name
+
+
+def test_memory_phases_move_the_linear_layers_and_bring_them_back_exactly(tmp_path):
+    """Qwen3-Next (Gated DeltaNet layers, experts): offloaded after a step and brought back,
+    every parameter is bitwise what it was, and the next step is the step it would have been."""
+    from policyworker.losses import NLLLoss
+
+    folder = make_hf_model(tmp_path / "m", "qwen3_next")
+    data = make_batch(batch=4, seq=12)
+    moved, stayed = make_worker(folder), make_worker(folder)
+    for w in (moved, stayed):
+        w.train(data, NLLLoss())
+    before = {n: p.detach().clone() for n, p in moved.state.model.named_parameters()}
+    moved.offload_after_refit()
+    assert all(p.device.type == "cpu" for p in moved.state.model.parameters())
+    moved.prepare_for_training()
+    after = dict(moved.state.model.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert moved.train(data, NLLLoss())["loss"] == stayed.train(data, NLLLoss())["loss"]
