@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from train_bench import DEVICE, emit, free, full_rows, save_random, timed
+from train_bench import DEVICE, emit, free, full_rows, hf_steps, save_random, timed
 
 OOM = (torch.OutOfMemoryError,)
 
@@ -117,18 +117,7 @@ def bench_hf(folder: Path, tokens: int, steps: int) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.bfloat16, attn_implementation="sdpa"
         ).to(DEVICE)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=DEVICE == "cuda")
-
-        def train_step() -> None:
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def logprob_step() -> None:
-            with torch.no_grad():
-                logits = model(input_ids=ids).logits
-                torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
-
+        train_step, logprob_step = hf_steps(model, ids)
         return {
             "train_s": timed(train_step, steps, warmup=1),
             "logprobs_s": timed(logprob_step, steps, warmup=1),

@@ -42,6 +42,7 @@ from train_bench import (
     emit,
     free,
     full_rows,
+    hf_steps,
     profile_table,
     save_random,
     timed,
@@ -197,18 +198,7 @@ def bench_hf(folder: Path, ids: torch.Tensor, steps: int, prof: bool = False) ->
         attn_implementation="eager" if eager else "sdpa",
         experts_implementation="grouped_mm" if DEVICE == "cuda" else "eager",
     ).to(DEVICE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=DEVICE == "cuda")
-
-    def train_step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    def logprob_step() -> None:
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits
-            torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
-
+    train_step, logprob_step = hf_steps(model, ids)
     out = {"train_s": timed(train_step, steps), "logprobs_s": timed(logprob_step, steps)}
     if prof:
         profile_table("transformers train step", train_step)

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -200,26 +201,31 @@ def free() -> None:
         torch.cuda.empty_cache()
 
 
-def bench_hf(folder: Path, ids: torch.Tensor, steps: int) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, attn_implementation="sdpa"
-    ).to(DEVICE)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+def hf_steps(model: Any, ids: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A transformers model's train step (forward with labels, backward, fused AdamW) and its
+    "logprobs" step (a no-grad forward, log_softmax and gather) on `ids`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=DEVICE == "cuda")
 
     def train_step() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     def logprob_step() -> None:
         with torch.no_grad():
             logits = model(input_ids=ids).logits
-            lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
-            del lp
+            torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
 
+    return train_step, logprob_step
+
+
+def bench_hf(folder: Path, ids: torch.Tensor, steps: int) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.bfloat16, attn_implementation="sdpa"
+    ).to(DEVICE)
+    train_step, logprob_step = hf_steps(model, ids)
     return {"train_s": timed(train_step, steps), "logprobs_s": timed(logprob_step, steps)}
 
 

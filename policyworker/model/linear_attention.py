@@ -28,7 +28,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.utils import _split_tensor_factory
 from megatron.core.tensor_parallel import (
@@ -39,12 +38,8 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import (
-    ensure_metadata_has_dp_cp_group,
-    make_sharded_tensors_for_checkpoint,
-)
 
-from policyworker.model.attention.core import Switch
+from policyworker.model.attention.core import Switch, sharded_params
 from policyworker.model.hf_config import DeltaNetShape
 from policyworker.ops import gated_delta
 from policyworker.ops.rms_norm import rms_norm
@@ -115,16 +110,10 @@ class GatedDeltaNet(MegatronModule):
     ) -> dict:
         """Each TP-split block of the in-projection and the conv its own sharded tensor (as
         megatron's GatedDeltaNet does), so a checkpoint loads under another TP size."""
-        tp_group = parallel_state.get_tensor_model_parallel_group()
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         own = {n: getattr(self, n) for n in ("conv_weight", "A_log", "dt_bias", "norm_weight")}
-        state.update(
-            make_sharded_tensors_for_checkpoint(
-                own, prefix, {"conv_weight": 0, "A_log": 0, "dt_bias": 0}, sharded_offsets,
-                tp_group=tp_group,
-                dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
-            )
-        )  # fmt: skip
+        axes = {"conv_weight": 0, "A_log": 0, "dt_bias": 0}
+        state.update(sharded_params(own, prefix, axes, sharded_offsets, metadata))
         s, names = self.shape, ["query", "key", "value", "z", "b", "a"]
         for key, blocks in (("in_proj.weight", s.in_blocks), ("conv_weight", s.conv_blocks)):
             state[prefix + key] = _split_tensor_factory(

@@ -149,14 +149,7 @@ class CoreAttention(MegatronModule):
         """The sinks split over TP along the heads (megatron's default would call them
         replicated)."""
         state = {} if self.softmax_offset is None else {"softmax_offset": self.softmax_offset}
-        return make_sharded_tensors_for_checkpoint(
-            state,
-            prefix,
-            {"softmax_offset": 0},
-            sharded_offsets,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
-            dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
-        )
+        return sharded_params(state, prefix, {"softmax_offset": 0}, sharded_offsets, metadata)
 
     def forward(
         self,
@@ -171,3 +164,22 @@ class CoreAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("CoreAttention: attention_bias is not supported")
         return self.switch.now.attend(self, query, key, value, packed_seq_params)
+
+
+def sharded_params(
+    params: dict[str, torch.Tensor],
+    prefix: str,
+    tp_axes: dict[str, int],
+    sharded_offsets: tuple[tuple[int, int, int], ...],
+    metadata: dict | None,
+) -> dict:
+    """A module's own parameters as checkpoint tensors: those in `tp_axes` split over TP along
+    that axis, the rest whole on every TP rank."""
+    return make_sharded_tensors_for_checkpoint(
+        params,
+        prefix,
+        tp_axes,
+        sharded_offsets,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"],
+    )
