@@ -171,3 +171,74 @@ def test_a_fused_expert_tensor_that_disagrees_with_the_config_is_refused_up_fron
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=match):
         make_worker(bad)
+
+
+class _ReferenceVarlen:
+    """The contract of flash's varlen pair (`sink_flash.VarlenKernel`) in plain fp64 math: the
+    backward forms D_i from the `out` it is given, as flash's does."""
+
+    def _probs(self, q, k, cu, scale, window):
+        t, heads = q.shape[:2]
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        pos = torch.arange(t)
+        seq = torch.bucketize(pos, cu[1:], right=True)
+        ok = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+        if window:
+            ok &= pos[None, :] > pos[:, None] - window
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = scores.masked_fill(~ok, float("-inf"))
+        return scores.softmax(-1), scores.logsumexp(-1).T  # [h, q, k], [t, h]
+
+    def forward(self, q, k, v, cu, longest, scale, window):
+        p, lse = self._probs(q, k, cu, scale, window)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return torch.einsum("hqk,khd->qhd", p, v), lse, None
+
+    def backward(self, d_o, q, k, v, out, lse, cu, longest, scale, window, saved):
+        groups = q.shape[1] // k.shape[1]
+        p, _ = self._probs(q, k, cu, scale, window)
+        kr, vr = (x.repeat_interleave(groups, dim=1) for x in (k, v))
+        dv = torch.einsum("hqk,qhd->khd", p, d_o)
+        d_p = torch.einsum("qhd,khd->hqk", d_o, vr)
+        ds = p * (d_p - (d_o * out).sum(-1).T[..., None])
+        dq = torch.einsum("hqk,khd->qhd", ds, kr) * scale
+        dk = torch.einsum("hqk,qhd->khd", ds, q) * scale
+        fold = lambda x: x.reshape(x.shape[0], -1, groups, x.shape[-1]).sum(2)  # noqa: E731
+        return dq, fold(dk), fold(dv)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_sinks_through_the_log_sum_exp_equal_the_exact_masks(window):
+    """The flash form of sinks (`attention/sink_flash.py`: out = o · sigmoid(lse − s), its
+    backward through flash's own with D from the sink-scaled output) on a reference kernel pair
+    equals `Masked`'s exact masked SDPA: outputs and the gradients of q, k, v and the sinks,
+    packed sequences apart, grouped heads, with and without a window."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from policyworker.model.attention.layout import Packed
+    from policyworker.model.attention.sink_flash import SinkFlash
+
+    g = torch.Generator().manual_seed(0)
+    t, cu = 22, torch.tensor([0, 5, 12, 20])  # three sequences, then 2 padding tokens
+    q = torch.randn(t, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(t, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64)
+    pos = torch.cat([torch.arange(5), torch.arange(7), torch.arange(8), torch.arange(2)])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=8)
+    where = Packed(pos[:, None], cu, cu, params)
+    rows = [x[:20].reshape(2, 10, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]  # padded
+    for layout in ("packed", "padded"):
+        results = []
+        for make in (lambda s: Masked(window, s), lambda s: SinkFlash(window, s, None, _ReferenceVarlen())):  # fmt: skip
+            leaves = [x.clone().requires_grad_() for x in (*(rows if layout == "padded" else (q, k, v)), sinks)]  # fmt: skip
+            kernels = make(leaves[3])
+            out = (
+                kernels.padded(*leaves[:3], 0.3)
+                if layout == "padded"
+                else kernels.packed(*leaves[:3], where, 0.3)
+            )
+            weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+            (out * weights).sum().backward()
+            results.append([out.detach(), *(x.grad for x in leaves)])
+        for got, want in zip(results[1], results[0], strict=True):
+            assert (got - want).abs().max() <= 1e-12, layout

@@ -36,7 +36,9 @@ from policyworker.model.attention.core import CoreAttention, Fresh, Phase, Switc
 from policyworker.model.attention.kernels import ByRows, Exact, Flash
 from policyworker.model.attention.latent_cache import LatentCache, LatentGenerating, LatentLayer
 from policyworker.model.attention.layout import Kernels
+from policyworker.model.attention.masked import Masked
 from policyworker.model.attention.rotary import Rotary, Rotate, rotate_for
+from policyworker.model.attention.sink_flash import VarlenFlash
 from policyworker.model.batch_invariant import AnyRows, MinRows, Rows
 from policyworker.model.chunked_mlp import ChunkedMLP, set_chunk
 from policyworker.model.linear_attention import Cached, GatedDeltaNet, Mixing, StateCache, Whole
@@ -68,6 +70,7 @@ class ForwardPaths:
         rotate: Rotate,
         dtype: torch.dtype,
         delta_rule: DeltaRule,
+        sink_flash: bool = False,
     ) -> None:
         self.training = Fresh(train, in_place=False)
         self.score = Fresh(score, in_place=True)
@@ -83,6 +86,8 @@ class ForwardPaths:
         """The dense MLPs' chunk while scoring or generating (`logprob_chunk_size`); training
         runs them whole."""
         self.mixing: Switch[Mixing] = Switch(Whole(delta_rule))
+        self.sink_flash = sink_flash
+        """Windows and sinks (`attention/masked.Masked`) train and score on flash attention."""
         """How every Gated DeltaNet layer runs its recurrence now (`model/linear_attention.py`)."""
 
     def install(
@@ -102,6 +107,8 @@ class ForwardPaths:
                 module.rotary.set_frequencies(inv_freq, rope.attention_factor)
                 module.rotary.rotate = self.rotary.rotate
                 module.switch = self.switch
+                if isinstance(module.softmax, Masked) and self.sink_flash:
+                    module.softmax.on_flash(VarlenFlash())
             elif isinstance(module, MLASelfAttention):
                 self.latents[module.core_attention.number] = LatentLayer.of(module)
             elif isinstance(module, ChunkedMLP):
@@ -197,5 +204,5 @@ def choose_paths(
     rule: DeltaRule = FlaRule() if half_on_gpu and fla_installed() else TorchRule()
     return ForwardPaths(
         train=train, score=score, generation=generation, rotate=rotate, dtype=dtype,
-        delta_rule=rule,
+        delta_rule=rule, sink_flash=half_on_gpu and not invariant,
     )  # fmt: skip

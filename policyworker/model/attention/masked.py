@@ -8,8 +8,9 @@
   key/value column whose mask entry is s_h, so SDPA's own backward gives the sink's gradient.
 
 The masked path builds a [heads, queries, keys] mask per call: exact on every device, but its
-memory grows with the square of a sequence's length (long gpt-oss contexts on a GPU want a flash
-kernel that takes the sink through the softmax's log-sum-exp: not written yet).
+memory grows with the square of a sequence's length. On a GPU in half precision training and
+scoring run flash attention instead, the window flash's own and the sink taken through the
+softmax's log-sum-exp (`sink_flash.py`); CP blocks and the KV cache keep the exact masks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from policyworker.model.attention.kernels import chunk_spans, same_sequence
 from policyworker.model.attention.layout import CachedKernel, Kernels, Packed
+from policyworker.model.attention.sink_flash import SinkFlash, VarlenKernel
 from policyworker.parallel.context import ContextPlan
 
 
@@ -73,9 +75,16 @@ class Masked:
 
     def __init__(self, window: int, sinks: torch.nn.Parameter | None) -> None:
         self.window, self.sinks = window, sinks
+        self.fast: Kernels = self
+        """What training and scoring run: these exact masks, or flash (`on_flash`)."""
+
+    def on_flash(self, kernel: VarlenKernel) -> None:
+        """Train and score on flash attention with `kernel` (a GPU in half precision:
+        `ForwardPaths.install`); CP blocks and generation keep the exact masks."""
+        self.fast = SinkFlash(self.window, self.sinks, self, kernel)
 
     def kernels(self, phase: Kernels) -> Kernels:
-        return self
+        return self.fast
 
     def cached(self, phase: CachedKernel) -> CachedKernel:
         return self.over_cache
