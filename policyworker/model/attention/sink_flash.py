@@ -49,7 +49,11 @@ class VarlenKernel(Protocol):
 
 
 class VarlenFlash:
-    """torch's flash varlen forward and backward ops (CUDA, bf16/fp16)."""
+    """torch's flash varlen forward and backward ops (CUDA, bf16/fp16; `torch_attn`'s ops are
+    registered by importing `torch.nn.attention.varlen`)."""
+
+    def __init__(self) -> None:
+        import torch.nn.attention.varlen  # noqa: F401
 
     def forward(self, q, k, v, cu, longest, scale, window):  # type: ignore[no-untyped-def]
         out, lse, rng = torch.ops.torch_attn._varlen_attn(
