@@ -437,6 +437,8 @@ FAMILY_FOUR_RANKS = {
     # Gated DeltaNet layers split over TP2 (their key heads, one a rank) on both stages (3
     # linear layers, 1 full: 2 and 2), packed, EP2 over the TP ranks, split steps; a later
     # stage's routers get their sequence-parallel share of the padding mask (compat/router.py)
+    # Gated DeltaNet under CP2: each layer's recurrence over the all-gathered sequences
+    "qwen3_5_moe-ep2-cp2-packed-chunked": (1, 1, ("ep", "cp", "pack", "chunk")),
     "qwen3_5_moe-ep2-tp2-pp2-sequence-parallel-packed-split-step": (
         2,
         2,

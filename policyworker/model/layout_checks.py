@@ -40,14 +40,6 @@ def check_layout(
     field = "parallel.{}_size".format
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     _check_experts(parallel, shape, moe or MoEConfig())
-    cp = parallel.context_parallel_size
-    if shape.delta_net is not None and cp > 1:
-        raise ValueError(
-            f"{field('context_parallel')}: expected 1 with Gated DeltaNet layers, got {cp} (not "
-            "supported yet: a linear layer's recurrent state and conv window would pass from "
-            "one CP rank's share of the sequence to the next; split long sequences over TP or "
-            "recompute instead)"
-        )
     if parallel.sequence_parallel and tp == 1:
         raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
     if shape.moe is not None and tp > 1 and not parallel.sequence_parallel:

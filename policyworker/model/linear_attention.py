@@ -17,8 +17,9 @@ Tensor parallelism splits the heads: the in-projection is one column-parallel GE
 the blocks q, k, v, z, b, a, each split over TP on its own (`layouts.Parts`), so a rank holds
 its key heads, the value heads that read them, and their conv channels, decays and gates; the
 out-projection is row-parallel. The norm's weight (one per value channel, every head's) is whole
-on each rank and its gradient summed over TP. No CP yet (`layout_checks.check_layout` refuses
-it by name).
+on each rank and its gradient summed over TP. Under context parallelism each layer all-gathers
+its inputs' sequences, runs them whole and keeps this rank's tokens (`Whole.mix`: exact; the
+recurrence's work repeated on each CP rank, where heads split over CP would not repeat it).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from policyworker.model.attention.core import Switch, sharded_params
 from policyworker.model.hf_config import DeltaNetShape
 from policyworker.ops import gated_delta
 from policyworker.ops.rms_norm import rms_norm
+from policyworker.parallel.context import ContextSplit
 
 
 class GatedDeltaNet(MegatronModule):
@@ -156,11 +158,9 @@ def _split(t: torch.Tensor) -> torch.nn.Parameter:
     return p
 
 
-def _bounds(params: PackedSeqParams | None, tokens: int) -> list[int]:
-    """Where the runs of tokens that each start from a zero state begin and end: a padded
-    batch's whole rows, or a pack's sequences (`cu_seqlens`, padded bounds where given)."""
-    if params is None:
-        return [0, tokens]
+def _bounds(params: PackedSeqParams) -> list[int]:
+    """Where a pack's sequences, each from a zero state, begin and end (`cu_seqlens`, padded
+    bounds where given)."""
     cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
     return cu.tolist()
 
@@ -197,10 +197,33 @@ class Whole:
         beta: torch.Tensor,
         params: PackedSeqParams | None,
     ) -> torch.Tensor:
-        bounds = _bounds(params, qkv.shape[1])
-        runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in pairwise(bounds)]
-        q, k, v = layer.heads(torch.cat([*runs, qkv[:, bounds[-1] :]], dim=1))
         if params is None:
+            return self._run(layer, qkv, g, beta, None)
+        split = ContextSplit.of(params)
+        if split is None:
+            return self._run(layer, qkv, g, beta, _bounds(params))
+        # Context parallelism: this rank's share of each sequence all-gathered into whole
+        # sequences (their gradients reduce-scattered back to the owners), run whole, and this
+        # rank's tokens kept. Exact; each CP rank repeats the linear layer's recurrence (the
+        # attention layers' work is split).
+        whole = [split.gather_keys(x[0])[None] for x in (qkv, g, beta)]
+        cu = params.cu_seqlens_kv_padded
+        bounds = (params.cu_seqlens_kv if cu is None else cu).tolist()
+        return self._run(layer, *whole, bounds)[:, split.plan(qkv.device).local]
+
+    def _run(
+        self,
+        layer: GatedDeltaNet,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        bounds: list[int] | None,
+    ) -> torch.Tensor:
+        """The conv and the rule over each row (`bounds` None) or each packed sequence."""
+        ends = bounds or [0, qkv.shape[1]]
+        runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in pairwise(ends)]
+        q, k, v = layer.heads(torch.cat([*runs, qkv[:, ends[-1] :]], dim=1))
+        if bounds is None:
             return self.rule.rows(q, k, v, g, beta)
         return self.rule.packed(q, k, v, g, beta, bounds)
 
