@@ -11,7 +11,8 @@ The arithmetic is transformers' `Qwen3_5GatedDeltaNet` (the conv in the weight's
 decay and the recurrence in fp32). How the recurrence runs is the phase's, a small type on a
 switch every such layer shares (`ForwardPaths.install`): `Whole` in training and scoring (packed
 sequences (THD) each from a zero state and an empty conv window: nothing crosses a `cu_seqlens`
-boundary; the rule itself ours in PyTorch or flash-linear-attention's kernels), `Cached` in generation (a `StateCache` of each row's conv window and state).
+boundary; the rule itself ours in PyTorch or flash-linear-attention's kernels), `Cached` in
+generation (a `StateCache` of each row's conv window and state).
 
 Tensor parallelism splits the heads: the in-projection is one column-parallel GEMM whose rows are
 the blocks q, k, v, z, b, a, each split over TP on its own (`layouts.Parts`), so a rank holds
