@@ -228,12 +228,14 @@ def test_generation_keeps_each_layers_state_and_its_logprobs_are_get_logprobs(ea
 
 def test_a_vision_language_checkpoints_language_model_trains_and_exports(folder, tmp_path):
     """Qwen3.5's published checkpoints are vision-language (`Qwen3_5ForConditionalGeneration`:
-    the text model under `model.language_model.`, a vision tower beside it): its language model
-    loads (the tower is not read), scores as transformers' causal LM of the same folder, and
-    exports as that causal LM (`Qwen3_5ForCausalLM`), tensor for tensor the checkpoint's."""
+    the text model under `model.language_model.`, a vision tower beside it, multimodal RoPE
+    sections in its text config): its language model loads (the tower is not read), scores text
+    as the vision-language model itself does and as transformers' causal LM of the same folder,
+    and exports as that causal LM (`Qwen3_5ForCausalLM`), tensor for tensor the checkpoint's."""
     from safetensors.torch import load_file
 
     text = transformers.AutoConfig.from_pretrained(folder).to_dict()
+    text["rope_parameters"] |= {"mrope_section": [2, 0, 0], "mrope_interleaved": True}
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
                   out_hidden_size=64, patch_size=4, spatial_merge_size=2, temporal_patch_size=1)  # fmt: skip
     torch.manual_seed(0)
@@ -243,6 +245,14 @@ def test_a_vision_language_checkpoints_language_model_trains_and_exports(folder,
     assert model_shape(transformers.AutoConfig.from_pretrained(vl)).delta_net is not None
     assert_logprobs_and_topk_equal_transformers(vl)  # AutoModelForCausalLM: its text model
     worker = make_worker(vl)
+    data = make_batch(batch=3, seq=12)
+    whole = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(vl).eval()
+    with torch.no_grad():
+        logits = whole(input_ids=data["input_ids"]).logits[:, :-1].float()
+    want = logits.log_softmax(-1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
+    real = torch.arange(11)[None, :] < data["input_lengths"][:, None] - 1
+    got = worker.get_logprobs(data=data)["logprobs"][:, 1:]
+    assert ((got - want) * real).abs().max() <= 1e-5
     out = worker.save_hf_pretrained(tmp_path / "export")
     saved, source = load_file(out / "model.safetensors"), load_file(vl / "model.safetensors")
     assert transformers.AutoConfig.from_pretrained(out).architectures == ["Qwen3_5ForCausalLM"]
