@@ -220,18 +220,18 @@ def torchrun(script: Path, *args: object, nproc: int = 2, timeout_s: float = 600
 
 class HostReads(TorchFunctionMode):
     """Counts reads of tensor values back to the host (`tolist`, `item`, `int()`, `bool()`, ...)
-    made inside the forward of any transformer layer of `model` — each one a device sync on GPU.
-    Use as a context manager around the calls."""
+    made inside the forward of any transformer layer of `model` (or module of `kind`) — each one a
+    device sync on GPU. Use as a context manager around the calls."""
 
     READS = frozenset({"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu"})
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, kind: type | None = None) -> None:
         from megatron.core.transformer.transformer_layer import TransformerLayer
 
         super().__init__()
         self.depth, self.reads = 0, []
         for module in model.modules():
-            if isinstance(module, TransformerLayer):
+            if isinstance(module, kind or TransformerLayer):
                 module.register_forward_pre_hook(lambda *_: self._enter(1))
                 module.register_forward_hook(lambda *_: self._enter(-1))
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from policyworker.ops.packed import packed_positions, round_up, to_device
+from policyworker.ops.packed import HostPacked, packed_positions, round_up, to_device
 
 Bins = list[list[int]]
 
@@ -169,7 +169,7 @@ class PackedLayout:
 
         cu, cu_padded = cumulative(self.lengths), cumulative(self.padded)
         longest = max(self.padded)
-        return PackedSeqParams(
+        return HostPacked(
             qkv_format="thd",
             cu_seqlens_q=cu,
             cu_seqlens_kv=cu,
@@ -177,6 +177,7 @@ class PackedLayout:
             cu_seqlens_kv_padded=cu_padded,
             max_seqlen_q=longest,
             max_seqlen_kv=longest,
+            padded=self.padded,
         )
 
     def _tokens(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,7 @@ recurrence's work repeated on each CP rank, where heads split over CP would not 
 
 from __future__ import annotations
 
+import itertools
 from itertools import pairwise
 from typing import Any, Protocol
 
@@ -44,6 +45,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from policyworker.model.attention.core import Switch, sharded_params
 from policyworker.model.hf_config import DeltaNetShape
 from policyworker.ops import gated_delta
+from policyworker.ops.packed import HostPacked
 from policyworker.ops.rms_norm import rms_norm
 from policyworker.parallel.context import ContextSplit
 
@@ -160,8 +162,10 @@ def _split(t: torch.Tensor) -> torch.nn.Parameter:
 
 
 def _bounds(params: PackedSeqParams) -> list[int]:
-    """Where a pack's sequences, each from a zero state, begin and end (`cu_seqlens`, padded
-    bounds where given)."""
+    """Where a pack's sequences, each from a zero state, begin and end (padded bounds): from the
+    host where the pack says them (`HostPacked`: no device read per layer), else read back."""
+    if isinstance(params, HostPacked):
+        return params.bounds()
     cu = params.cu_seqlens_q if params.cu_seqlens_q_padded is None else params.cu_seqlens_q_padded
     return cu.tolist()
 
@@ -208,8 +212,7 @@ class Whole:
         # rank's tokens kept. Exact; each CP rank repeats the linear layer's recurrence (the
         # attention layers' work is split).
         whole = [split.gather_keys(x[0])[None] for x in (qkv, g, beta)]
-        cu = params.cu_seqlens_kv_padded
-        bounds = (params.cu_seqlens_kv if cu is None else cu).tolist()
+        bounds = [0, *itertools.accumulate(split.padded)]
         return self._run(layer, *whole, bounds)[:, split.plan(qkv.device).local]
 
     def _run(
