@@ -9,7 +9,7 @@ import contextlib
 import copy
 import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +25,17 @@ from policyworker.data.microbatch import MicrobatchPlan, build_plan
 from policyworker.generation.decode import Decoder
 from policyworker.generation.sampler import Sampler
 from policyworker.memory.residency import Residency
+from policyworker.model import lora
 from policyworker.model.balance import balance_of
-from policyworker.model.build import build_gpt_model, global_named_weights
+from policyworker.model.build import (
+    build_gpt_model,
+    global_named_parameters,
+    global_named_weights,
+)
 from policyworker.model.hf_config import ModelShape, load_hf_config, model_shape
 from policyworker.model.latent import DuplicatedLinear
-from policyworker.model.layout_checks import check_layout, check_sliding_window
+from policyworker.model.layout_checks import check_layout, check_peft, check_sliding_window
+from policyworker.model.lora import Adapters, BaseReference
 from policyworker.model.paths import ForwardPaths, choose_paths
 from policyworker.model.reference import ReferenceWeights
 from policyworker.model.routers import Routers
@@ -79,15 +85,21 @@ class PolicyState:
     ddp: torch.nn.Module | None
     optimizer: Any | None
     scheduler: Any | None
-    reference: ReferenceWeights | None
+    reference: ReferenceWeights | BaseReference | None
     overlap: Overlap
     """DDP's overlapped reduce and gather: `overlap.sync_params()` before parameters are read
     without a forward."""
+    adapters: Adapters | None = None
+    """LoRA's adapters (`peft.enabled`; `model/lora.py`)."""
 
-    def synced_params(self) -> dict[str, torch.Tensor]:
-        """The parameters by global name, any pending all-gather completed (collective)."""
+    def synced_params(self) -> Mapping[str, torch.Tensor]:
+        """The weights by global name, any pending all-gather completed (collective); with
+        LoRA, each adapted weight merged as it is read (W + s · B A)."""
         self.overlap.sync_params()
-        return global_named_weights(self.model)
+        weights = global_named_weights(self.model)
+        if self.adapters is None:
+            return weights
+        return self.adapters.merged(weights, global_named_parameters(self.model))
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -101,8 +113,11 @@ class PolicyState:
             yield
 
     def take_reference(self) -> None:
-        """Snapshot the live weights as the reference, unless HF weights gave one already."""
-        if self.reference is None:
+        """Snapshot the live weights as the reference, unless HF weights gave one already; with
+        LoRA the reference is the base (its adapters off: nothing copied)."""
+        if self.adapters is not None:
+            self.reference = BaseReference(self.adapters)
+        elif self.reference is None:
             self.reference = ReferenceWeights(global_named_weights(self.model))
 
 
@@ -113,6 +128,7 @@ def build_parts(config: PolicyConfig, hf_weights: str | None, *, require_weights
     shape = model_shape(hf_config)
     check_sliding_window(hf_config, config.max_total_sequence_length)
     check_layout(config.parallel, shape, config.moe, config.recompute)
+    check_peft(config.peft, config.parallel, shape)
     if hf_weights is not None:
         field = "model_name" if hf_weights == config.model_name else "weights_path"
         check_hf_folder(hf_weights, hf_config, shape, field=field)
@@ -178,13 +194,16 @@ def build_state(
             w.shape,
             w.groups,
         )
+    adapters = lora.attach(model, config.peft, config.seed) if config.peft.enabled else None
     ddp = optimizer = scheduler = None
     if init_optimizer:
         ddp = wrap_ddp(model, config.optimizer)
         optimizer = build_optimizer(ddp, config.optimizer, params_dtype=w.dtype)
         scheduler = build_scheduler(optimizer, config.optimizer, config.scheduler)
-    reference = None
-    if init_reference and hf_weights is not None:
+    reference: ReferenceWeights | BaseReference | None = None
+    if init_reference and adapters is not None:
+        reference = BaseReference(adapters)
+    elif init_reference and hf_weights is not None:
         reference = ReferenceWeights(global_named_weights(model))
     return PolicyState(
         model=model,
@@ -193,6 +212,7 @@ def build_state(
         scheduler=scheduler,
         reference=reference,
         overlap=Overlap(ddp),
+        adapters=adapters,
     )
 
 

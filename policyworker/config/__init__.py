@@ -30,6 +30,7 @@ from policyworker.config.sections import (
     MoEConfig,
     OptimizerConfig,
     ParallelConfig,
+    PeftConfig,
     RecomputeConfig,
     RefitConfig,
     SchedulerConfig,
@@ -43,6 +44,7 @@ __all__ = [
     "MoEConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "PeftConfig",
     "PolicyConfig",
     "RecomputeConfig",
     "RefitConfig",
@@ -122,6 +124,8 @@ class PolicyConfig:
     """Distributed checkpoints."""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """Sampling in the worker (`generate`)."""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    """LoRA adapters on a frozen base."""
 
     def __post_init__(self) -> None:
         sections_from_dicts(self)
@@ -174,6 +178,7 @@ class PolicyConfig:
         self.refit.validate()
         self.checkpoint.validate()
         self.generation.validate()
+        self.peft.validate()
         _check(
             not (self.sequence_packing.enabled and self.dynamic_batching.enabled),
             "dynamic_batching.enabled",

@@ -318,6 +318,73 @@ class CheckpointConfig:
         _check(isinstance(n, int) and n >= 1, f"{prefix}.writer_threads", "an int >= 1", n)
 
 
+LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""The linear layers LoRA adapts, by megatron's names."""
+HF_LORA_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+                 "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+                 "down_proj": "linear_fc2"}  # fmt: skip
+"""HF's names of the same layers: each selects the fused megatron layer it is part of."""
+LORA_INITS = ("xavier", "kaiming", "normal", "zero")
+
+
+@dataclass(kw_only=True, slots=True)
+class PeftConfig:
+    """LoRA adapters on a frozen base (NeMo-RL's `megatron_cfg.peft`, its keys and defaults):
+    each adapted linear layer computes W x + (alpha / dim) · B A x."""
+
+    enabled: bool = False
+    target_modules: list[str] = dataclasses.field(default_factory=list)
+    """Layers to adapt, by megatron's names (`linear_qkv`, `linear_proj`, `linear_fc1`,
+    `linear_fc2`) or HF's (`q_proj`, ..., each selecting the fused layer it is part of); empty:
+    all four."""
+    exclude_modules: list[str] = dataclasses.field(default_factory=list)
+    """Layers not to adapt, named the same way."""
+    dim: int = 32
+    """The adapters' rank."""
+    alpha: float = 32
+    """The update's scale is alpha / dim."""
+    dropout: float = 0.0
+    """Dropout on the adapter's path (training only)."""
+    dropout_position: Literal["pre", "post"] = "pre"
+    """Dropout on the adapter's input ("pre") or on its output ("post")."""
+    lora_A_init_method: str = "xavier"
+    """A's initialization: xavier (normal), kaiming (uniform), normal (std 0.02) or zero."""
+    lora_B_init_method: str = "zero"
+    """B's initialization (zero: a fresh adapter changes nothing)."""
+    lora_dtype: Literal["float32", "bfloat16"] | None = None
+    """The adapters' dtype (None: the model's)."""
+
+    def modules(self) -> set[str]:
+        """The megatron layers adapted."""
+        chosen = {HF_LORA_NAMES.get(n, n) for n in self.target_modules} or set(LORA_MODULES)
+        return chosen - {HF_LORA_NAMES.get(n, n) for n in self.exclude_modules}
+
+    def validate(self, prefix: str = "peft") -> None:
+        known = set(LORA_MODULES) | set(HF_LORA_NAMES)
+        for key in ("target_modules", "exclude_modules"):
+            names = getattr(self, key)
+            bad = [n for n in names if n not in known]
+            _check(not bad, f"{prefix}.{key}", f"names of {sorted(known)}", bad)
+        _check(
+            isinstance(self.dim, int) and self.dim >= 1, f"{prefix}.dim", "an int >= 1", self.dim
+        )
+        _check(finite(self.alpha) and self.alpha > 0, f"{prefix}.alpha", "a number > 0", self.alpha)
+        d = self.dropout
+        _check(finite(d) and 0 <= d < 1, f"{prefix}.dropout", "in [0, 1)", d)
+        positions = ("pre", "post")
+        _check(self.dropout_position in positions, f"{prefix}.dropout_position",
+               f"one of {positions}", self.dropout_position)  # fmt: skip
+        for key in ("lora_A_init_method", "lora_B_init_method"):
+            value = getattr(self, key)
+            _check(value in LORA_INITS, f"{prefix}.{key}", f"one of {LORA_INITS}", value)
+        dtypes = (None, "float32", "bfloat16")
+        _check(self.lora_dtype in dtypes, f"{prefix}.lora_dtype", f"one of {dtypes}",
+               self.lora_dtype)  # fmt: skip
+        if self.enabled:
+            _check(bool(self.modules()), f"{prefix}.exclude_modules", "to leave a layer to adapt",
+                   self.exclude_modules)  # fmt: skip
+
+
 @dataclass(kw_only=True, slots=True)
 class GenerationConfig:
     """Sampling in the worker (`generate`): the model that trains draws the responses, with a

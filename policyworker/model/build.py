@@ -329,7 +329,9 @@ def global_named_weights(model: GPTModel) -> dict[str, torch.Tensor]:
     """`global_named_parameters` and the weights megatron keeps as buffers: a sigmoid router's
     expert bias (`mlp.router.expert_bias`, fp32; set from the checkpoint, moved by its own
     update rule, never by the optimizer)."""
-    out: dict[str, torch.Tensor] = dict(global_named_parameters(model))
+    out: dict[str, torch.Tensor] = {
+        n: p for n, p in global_named_parameters(model).items() if ".adapter." not in n
+    }  # LoRA's adapters are not the model's weights (`model/lora.py`)
     for layer in model.decoder.layers:
         if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None:
             name = f"decoder.layers.{layer.layer_number - 1}.mlp.router.expert_bias"

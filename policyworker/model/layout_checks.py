@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from policyworker.config import MoEConfig, ParallelConfig, RecomputeConfig
+from policyworker.config import MoEConfig, ParallelConfig, PeftConfig, RecomputeConfig
 from policyworker.model.errors import UnsupportedModelError
 from policyworker.model.hf_config import GPT_OSS, ModelShape
 
@@ -112,3 +112,20 @@ def _check_experts(parallel: ParallelConfig, shape: ModelShape, moe: MoEConfig) 
                     f"moe.moe_token_dispatcher_type: expected alltoall with {field(name)}="
                     f"{size}, got allgather"
                 )
+
+
+def check_peft(peft: PeftConfig, parallel: ParallelConfig, shape: ModelShape) -> None:
+    """Refuse what LoRA does not build yet, naming the field (issue #55)."""
+    if not peft.enabled:
+        return
+    tp = parallel.tensor_model_parallel_size
+    if tp > 1:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size: expected 1 with peft.enabled (LoRA under "
+            f"tensor parallelism is not supported yet), got {tp}"
+        )
+    if shape.moe is not None:
+        raise ValueError(
+            "peft.enabled: not supported yet for mixture-of-experts models (the experts' "
+            "adapters are not built)"
+        )

@@ -1,0 +1,166 @@
+"""LoRA: low-rank adapters on megatron's linear layers, the base frozen (`PeftConfig`).
+
+An adapted layer computes W x + s · B A x (s = alpha / dim), the adapter a child module
+(`adapter`: A [dim, in], B [out, dim]) whose forward hook adds its term to the layer's output —
+so DDP, the optimizer and checkpoints see it as any parameter, and nothing else of the model
+changes. Every other parameter is frozen (no gradient, no optimizer state). B starts at zero:
+a fresh adapter leaves the base's outputs bit for bit.
+
+`Adapters` holds them all: `off()` is the base itself — the reference policy with no second copy
+of the weights (`BaseReference`) — and `merged(...)` the weights W + s · B A under the base's
+names, computed as they are read (refit and HF export send merged weights; the trainer's own
+stay as they are).
+
+Not yet: tensor parallelism (the adapters would split as their base layer does), experts'
+linear layers, adapters-only refit and checkpoints, PEFT export (issue #55).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from policyworker.config import PeftConfig
+
+ADAPTER = ".adapter."
+"""In a parameter's name: an adapter's (`adapter.lora_A`, `adapter.lora_B`)."""
+
+
+class LoraAdapter(torch.nn.Module):
+    """One layer's A and B; its hook adds s · B A x to the layer's output while `switch.on`."""
+
+    def __init__(
+        self, fan_in: int, fan_out: int, cfg: PeftConfig, dtype: torch.dtype, switch: Adapters
+    ) -> None:
+        super().__init__()
+        self.lora_A = torch.nn.Parameter(torch.empty(cfg.dim, fan_in, dtype=dtype))
+        self.lora_B = torch.nn.Parameter(torch.empty(fan_out, cfg.dim, dtype=dtype))
+        self.scale = cfg.alpha / cfg.dim
+        self.dropout = torch.nn.Dropout(cfg.dropout)
+        self.pre = cfg.dropout_position == "pre"
+        self.switch = switch
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dropout(x) if self.pre else x
+        out = F.linear(F.linear(h.to(self.lora_A.dtype), self.lora_A), self.lora_B) * self.scale
+        return (out if self.pre else self.dropout(out)).to(x.dtype)
+
+    def hook(self, layer: torch.nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if not self.switch.on:
+            return output
+        out, bias = output
+        return out + self.delta(args[0]), bias
+
+
+class Adapters:
+    """Every adapter of a model (by its layer's global name) and whether they are on."""
+
+    def __init__(self, scale: float) -> None:
+        self.on = True
+        self.scale = scale
+
+    @contextlib.contextmanager
+    def off(self) -> Iterator[None]:
+        """The base model until exit."""
+        self.on = False
+        try:
+            yield
+        finally:
+            self.on = True
+
+    def merged(
+        self, weights: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+    ) -> Mapping[str, torch.Tensor]:
+        """`weights` (the base's, by global name) with W + s · B A in place of each adapted
+        weight, computed when read; `params`: every parameter by global name (the adapters'
+        too)."""
+        pairs = {
+            name.removesuffix(f"{ADAPTER}lora_A") + ".weight": (
+                params[name],
+                params[name.removesuffix("lora_A") + "lora_B"],
+            )
+            for name in params
+            if name.endswith(f"{ADAPTER}lora_A")
+        }
+        return _Merged(weights, pairs, self.scale)
+
+
+class _Merged(Mapping[str, torch.Tensor]):
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        scale: float,
+    ) -> None:
+        self.weights, self.pairs, self.scale = weights, pairs, scale
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self.weights[name]
+        if name not in self.pairs:
+            return w
+        a, b = self.pairs[name]
+        with torch.no_grad():
+            return (w.float() + self.scale * (b.float() @ a.float())).to(w.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+class BaseReference:
+    """The reference policy of a LoRA model: the base, its adapters off (no weights copied)."""
+
+    def __init__(self, adapters: Adapters) -> None:
+        self.adapters = adapters
+
+    def swapped_into(self, params: object) -> contextlib.AbstractContextManager[None]:
+        return self.adapters.off()
+
+
+def attach(model: torch.nn.Module, cfg: PeftConfig, seed: int) -> Adapters:
+    """Adapters on the layers `cfg` names (not experts'), every other parameter frozen."""
+    adapters = Adapters(cfg.alpha / cfg.dim)
+    dtype = getattr(torch, cfg.lora_dtype) if cfg.lora_dtype else None
+    g = torch.Generator().manual_seed(seed)
+    chosen = cfg.modules()
+    for name, layer in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in chosen or ".experts." in name:
+            continue
+        if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+            continue
+        weight = layer.weight
+        adapter = LoraAdapter(
+            weight.shape[1], weight.shape[0], cfg, dtype or weight.dtype, adapters
+        )
+        _init(adapter.lora_A, cfg.lora_A_init_method, g)
+        _init(adapter.lora_B, cfg.lora_B_init_method, g)
+        adapter.to(weight.device)
+        layer.add_module("adapter", adapter)
+        layer.register_forward_hook(adapter.hook)
+    for name, p in model.named_parameters():
+        p.requires_grad_(ADAPTER in f".{name}")
+    return adapters
+
+
+def _init(p: torch.nn.Parameter, method: str, g: torch.Generator) -> None:
+    """On the host with `g` (the same draws on every device), then copied in."""
+    t = torch.empty(p.shape, dtype=torch.float32)
+    if method == "xavier":
+        torch.nn.init.xavier_normal_(t, generator=g)
+    elif method == "kaiming":
+        torch.nn.init.kaiming_uniform_(t, a=math.sqrt(5), generator=g)
+    elif method == "normal":
+        torch.nn.init.normal_(t, std=0.02, generator=g)
+    else:
+        t.zero_()
+    with torch.no_grad():
+        p.copy_(t)
