@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from policyworker.checkpoint.hf import save_hf_folder
+from policyworker.checkpoint.hf import save_hf_folder, save_peft_folder
 from policyworker.checkpoint.paths import check_save_paths, initial_weights
 from policyworker.config import PolicyConfig, as_policy_config, teacher_path
 from policyworker.data.batched_data_dict import BatchedDataDict
@@ -308,6 +308,17 @@ class MegatronPolicyWorker(PolicyCalls):
         self.checkpoints.load(Path(weights_path), opt)
 
     export_hf_weights = _delegate("refit.weights.hf_weights", "params")
+
+    def save_peft_adapter(self, folder: str | Path) -> Path:
+        """LoRA's adapters (`peft.enabled`) as a PEFT folder `peft` loads onto the base."""
+        from policyworker.model import lora
+        from policyworker.model.build import global_named_parameters
+
+        if self.state.adapters is None or self.dims.pp > 1:
+            raise ValueError("save_peft_adapter: needs peft.enabled (and, for now, one stage)")
+        tensors = lora.peft_tensors(global_named_parameters(self.state.model), self.shape)
+        config = lora.peft_config(self.cfg.peft, tensors, self.cfg.model_name)
+        return save_peft_folder(folder, tensors=tensors, adapter_config=config)
 
     def save_hf_pretrained(self, folder: str | Path) -> Path:
         tensors, g = self.export_hf_weights(), self.groups

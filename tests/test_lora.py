@@ -120,3 +120,30 @@ def test_a_checkpoint_resumes_the_adapters_and_their_adam_state_exactly(folder, 
     resumed = make_worker(folder, **kw)
     resumed.load_checkpoint(str(weights), str(optim))
     assert [resumed.train(data, NLLLoss())["loss"] for _ in range(2)] == ran
+
+
+def test_the_adapters_export_as_a_peft_folder_peft_loads_onto_the_base(folder, tmp_path):
+    """After training, `save_peft_adapter` writes adapter_model.safetensors and
+    adapter_config.json; `peft` puts them on the transformers base and scores as we do (fp32,
+    1e-5): the fused layers' adapters split per HF layer (q/k/v, gate/up)."""
+    from peft import PeftModel
+
+    data = make_batch(batch=4, seq=12)
+    worker = make_worker(folder, peft=LORA, optimizer=OptimizerConfig(lr=1e-2))
+    for _ in range(2):
+        worker.train(data, NLLLoss())
+    out = worker.save_peft_adapter(tmp_path / "adapter")
+    model = PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), out
+    ).eval()
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"]).logits[:, :-1].float()
+    want = logits.log_softmax(-1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
+    real = torch.arange(11)[None, :] < data["input_lengths"][:, None] - 1
+    got = worker.get_logprobs(data=data)["logprobs"][:, 1:]
+    assert (
+        got - worker.get_reference_policy_logprobs(data=data)["reference_logprobs"][:, 1:]
+    ).abs().max() > 1e-2
+    assert ((got - want) * real).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match=r"needs peft\.enabled"):
+        make_worker(folder).save_peft_adapter(tmp_path / "none")

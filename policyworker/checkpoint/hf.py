@@ -144,6 +144,11 @@ def _finish(
     hf_config.save_pretrained(tmp)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
+    _into_place(tmp, folder)
+
+
+def _into_place(tmp: Path, folder: Path) -> None:
+    """The finished temporary folder becomes `folder` (an old one replaced)."""
     if folder.exists():
         old = folder.with_name(folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -152,3 +157,33 @@ def _finish(
         shutil.rmtree(old)
     else:
         os.replace(tmp, folder)
+
+
+def save_peft_folder(
+    folder: str | Path, *, tensors: dict[str, torch.Tensor], adapter_config: dict[str, Any]
+) -> Path:
+    """A PEFT adapter folder (`adapter_model.safetensors`, `adapter_config.json`) that `peft`
+    loads onto the base model; collective, rank 0 writes (every rank holds the same adapters),
+    assembled in a temporary sibling and renamed into place as `save_hf_folder` does."""
+    folder = Path(folder)
+    temporary = make_tmp(folder)
+
+    def write() -> str | None:
+        try:
+            weights = {n: t.detach().to("cpu").contiguous() for n, t in tensors.items()}
+            tmp = temporary.path
+            save_file(weights, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+            _into_place(tmp, folder)
+        except Exception as e:
+            temporary.discard()
+            return repr(e)
+        return None
+
+    failure = from_rank0(write)
+    if failure is not None:
+        raise CheckpointSaveError(
+            f"saving {folder} failed: {failure}; nothing was written there and the temporary "
+            "files are removed"
+        )
+    return folder

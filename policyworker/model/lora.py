@@ -11,8 +11,11 @@ of the weights (`BaseReference`) — and `merged(...)` the weights W + s · B A 
 names, computed as they are read (refit and HF export send merged weights; the trainer's own
 stay as they are).
 
+`peft_tensors` / `peft_config`: the adapters as a PEFT LoRA folder holds them, on HF's layers
+(a fused layer's adapter becomes one per HF layer it holds: the same A, B's rows of that layer).
+
 Not yet: tensor parallelism (the adapters would split as their base layer does), experts'
-linear layers, adapters-only refit and checkpoints, PEFT export (issue #55).
+linear layers, adapters-only refit and checkpoints (issue #55).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from policyworker.config import PeftConfig
+from policyworker.model.hf_config import ModelShape
+from policyworker.model.weights import mappings
 
 ADAPTER = ".adapter."
 """In a parameter's name: an adapter's (`adapter.lora_A`, `adapter.lora_B`)."""
@@ -164,3 +169,32 @@ def _init(p: torch.nn.Parameter, method: str, g: torch.Generator) -> None:
         t.zero_()
     with torch.no_grad():
         p.copy_(t)
+
+
+def peft_tensors(params: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """The adapters among `params` (every parameter by global name) under PEFT's names
+    (`base_model.model.<HF layer>.lora_A.weight` [dim, in], `lora_B.weight` [out, dim]): a fused
+    layer's A for each HF layer it holds, and B cut as the layer's weight is (q/k/v, gate/up)."""
+    table = {m.mcore: m for m in mappings(shape)}
+    out: dict[str, torch.Tensor] = {}
+    for name, a in params.items():
+        if not name.endswith(f"{ADAPTER}lora_A"):
+            continue
+        m = table[name.removesuffix(f"{ADAPTER}lora_A") + ".weight"]
+        b = params[name.removesuffix("lora_A") + "lora_B"].detach()
+        for hf, rows in zip(m.hf, m.to_hf(b, shape), strict=True):
+            at = "base_model.model." + hf.removesuffix(".weight")
+            out[f"{at}.lora_A.weight"] = a.detach().clone()
+            out[f"{at}.lora_B.weight"] = rows.contiguous()
+    return out
+
+
+def peft_config(cfg: PeftConfig, tensors: dict[str, torch.Tensor], base: str) -> dict[str, Any]:
+    """`adapter_config.json` of `peft_tensors`' adapters."""
+    layers = sorted({n.split(".")[-3] for n in tensors})
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "r": cfg.dim, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
+        "target_modules": layers, "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "use_rslora": False,
+    }  # fmt: skip
