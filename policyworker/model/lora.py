@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from policyworker.config import PeftConfig
@@ -130,7 +131,7 @@ class BaseReference:
         return self.adapters.off()
 
 
-def attach(model: torch.nn.Module, cfg: PeftConfig, seed: int) -> Adapters:
+def attach(model: GPTModel, cfg: PeftConfig, seed: int) -> Adapters:
     """Adapters on the layers `cfg` names (not experts'), every other parameter frozen."""
     adapters = Adapters(cfg.alpha / cfg.dim)
     dtype = getattr(torch, cfg.lora_dtype) if cfg.lora_dtype else None
@@ -153,6 +154,11 @@ def attach(model: torch.nn.Module, cfg: PeftConfig, seed: int) -> Adapters:
         layer.register_forward_hook(adapter.hook)
     for name, p in model.named_parameters():
         p.requires_grad_(ADAPTER in f".{name}")
+    if model.pre_process:
+        # The embedding's output asks for a gradient, though no embedding weight does: full
+        # recompute checkpoints each layer through an autograd function whose backward runs
+        # only when an input wants a gradient, and the adapters inside get theirs from it.
+        model.embedding.register_forward_hook(lambda module, args, out: out.requires_grad_(True))
     return adapters
 
 
