@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -132,26 +133,30 @@ class BaseReference:
 
 
 def attach(model: GPTModel, cfg: PeftConfig, seed: int) -> Adapters:
-    """Adapters on the layers `cfg` names (not experts'), every other parameter frozen."""
+    """Adapters on the layers `cfg` names (not experts'), every other parameter frozen. Each
+    adapter draws from its own generator, seeded by `seed` and its layer's global name: the
+    same draws whatever the pipeline stage that holds it."""
     adapters = Adapters(cfg.alpha / cfg.dim)
     dtype = getattr(torch, cfg.lora_dtype) if cfg.lora_dtype else None
-    g = torch.Generator().manual_seed(seed)
     chosen = cfg.modules()
-    for name, layer in list(model.named_modules()):
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf not in chosen or ".experts." in name:
-            continue
-        if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
-            continue
-        weight = layer.weight
-        adapter = LoraAdapter(
-            weight.shape[1], weight.shape[0], cfg, dtype or weight.dtype, adapters
-        )
-        _init(adapter.lora_A, cfg.lora_A_init_method, g)
-        _init(adapter.lora_B, cfg.lora_B_init_method, g)
-        adapter.to(weight.device)
-        layer.add_module("adapter", adapter)
-        layer.register_forward_hook(adapter.hook)
+    for block in model.decoder.layers:
+        number = block.layer_number - 1  # global
+        for name, layer in list(block.named_modules()):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf not in chosen or ".experts." in f".{name}.":
+                continue
+            if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+                continue
+            weight = layer.weight
+            adapter = LoraAdapter(
+                weight.shape[1], weight.shape[0], cfg, dtype or weight.dtype, adapters
+            )
+            g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{number}.{name}".encode()))
+            _init(adapter.lora_A, cfg.lora_A_init_method, g)
+            _init(adapter.lora_B, cfg.lora_B_init_method, g)
+            adapter.to(weight.device)
+            layer.add_module("adapter", adapter)
+            layer.register_forward_hook(adapter.hook)
     for name, p in model.named_parameters():
         p.requires_grad_(ADAPTER in f".{name}")
     if model.pre_process:
