@@ -6,7 +6,7 @@ process, world 1).
 JOBS.json: a list of runs, done in turn in this one launch (megatron's groups set up anew for
 each; a launch costs two interpreters' imports, more than a small run): each
 `{"mode": "save"|"resume", "model": ..., "ckpt": ..., "out": ..., "tp": 2, "pp": 1,
-"flags": ["distopt", "overlap", "ep"]}`.
+"flags": ["distopt", "overlap", "ep", "sp", "bias", "lora"]}`.
 
 `save`: one GRPO step, a sync save (CKPT/sync) and an async save (CKPT/async) of the same state,
 three more steps while the async write goes on, then finalize. `resume`: a new worker built from
@@ -91,6 +91,7 @@ def run_job(job: dict) -> None:
         ep=2 if "ep" in flags else 1,
         sp="sp" in flags,
         bias="bias" in flags,
+        lora="lora" in flags,
     )
     ckpt = Path(job["ckpt"])
     if job["mode"] == "save":

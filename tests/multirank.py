@@ -36,6 +36,7 @@ from policyworker.config import (
     MoEConfig,
     OptimizerConfig,
     ParallelConfig,
+    PeftConfig,
     PolicyConfig,
     RecomputeConfig,
     SequencePackingConfig,
@@ -218,6 +219,7 @@ def config(
     invariant: bool = False,
     dynamic: bool = False,
     bias: bool = False,
+    lora: bool = False,
 ) -> PolicyConfig:
     packing = SequencePackingConfig(
         enabled=pack, train_mb_tokens=PACK_TOKENS, logprob_mb_tokens=PACK_TOKENS
@@ -262,6 +264,8 @@ def config(
             recompute_granularity=recompute or "full",
             recompute_modules=["core_attn", "mlp", "moe"] if recompute == "selective" else None,
         ),
+        # B drawn, not zero: the adapters change the outputs from the first step
+        peft=PeftConfig(enabled=lora, dim=4, alpha=8, lora_B_init_method="normal"),
     )
 
 

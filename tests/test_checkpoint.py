@@ -94,6 +94,7 @@ def two_rank_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     jobs["one-rank-into-tp2"] = {"model": model_dir, "tp": 2, "pp": 1, "ckpt": one}
     hybrid = make_hf_model(folder / "qwen3_5", "qwen3_5", vocab_size=101)
     jobs["qwen3_5-tp2"] = {"model": hybrid, "tp": 2, "pp": 1, "flags": ["sp"]}
+    jobs["lora-pp2"] = {"model": model_dir, "tp": 1, "pp": 2, "flags": ["lora"]}
     runs = save_then_resume(jobs, folder)
     runs["one-rank-into-tp2"]["save"] = saved_one
     return {**runs, "ckpts": {name: job["ckpt"] for name, job in jobs.items()}}
@@ -134,6 +135,23 @@ def test_gated_deltanet_checkpoints_resume_exactly_and_load_into_one_rank(two_ra
     weights, optim = paths(ckpt, "sync")
     single = MegatronPolicyWorker(
         config(str(ckpt.parent / "qwen3_5"), tp=1, pp=1),
+        weights_path=str(weights),
+        optimizer_path=str(optim),
+    )
+    _assert_close(job["save"], run_resume(single, ckpt))
+
+
+@pytest.mark.processes
+def test_lora_under_pp2_resumes_exactly_and_one_rank_continues_it(model_dir, two_rank_runs):
+    """LoRA on two pipeline stages (each stage's adapters drawn as the one-rank model's, the
+    tied embedding frozen on both): a fresh PP2 run resumes bit for bit, and one rank loads the
+    same checkpoint (adapters and their Adam state) and continues within 1e-5."""
+    job = two_rank_runs["lora-pp2"]
+    _assert_bitwise(job["save"], job["resume"])
+    ckpt = two_rank_runs["ckpts"]["lora-pp2"]
+    weights, optim = paths(ckpt, "sync")
+    single = MegatronPolicyWorker(
+        config(str(model_dir), tp=1, pp=1, lora=True),
         weights_path=str(weights),
         optimizer_path=str(optim),
     )
