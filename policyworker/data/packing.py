@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from policyworker.ops.packed import HostPacked, packed_positions, round_up, to_device
+from policyworker.ops.packed import packed_positions, round_up, to_device
+from policyworker.parallel.context import HostPacked
 
 Bins = list[list[int]]
 

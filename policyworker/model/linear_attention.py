@@ -45,9 +45,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from policyworker.model.attention.core import Switch, sharded_params
 from policyworker.model.hf_config import DeltaNetShape
 from policyworker.ops import gated_delta
-from policyworker.ops.packed import HostPacked
 from policyworker.ops.rms_norm import rms_norm
-from policyworker.parallel.context import ContextSplit
+from policyworker.parallel.context import ContextSplit, HostPacked
 
 
 class GatedDeltaNet(MegatronModule):

@@ -4,24 +4,7 @@ do not stall the host, and rounding up to a multiple."""
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
-
-
-@dataclass
-class HostPacked(PackedSeqParams):
-    """megatron's THD metadata plus each packed sequence's padded length on the host: a layer
-    that walks the sequences one by one (a Gated DeltaNet layer) reads their bounds without a
-    device read."""
-
-    padded: tuple[int, ...] = ()
-
-    def bounds(self) -> list[int]:
-        """[0, end of sequence 1, ...] of the padded sequences."""
-        return [0, *itertools.accumulate(self.padded)]
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

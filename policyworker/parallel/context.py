@@ -17,6 +17,7 @@ the THD metadata itself (`ContextSeqParams`), so no layer reads anything back fr
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +172,19 @@ class ContextSplit:
         moved = x.movedim(dim, 0)
         full = _AllGatherKeepOwnGrad.apply(moved.contiguous(), self.group, self.size, self.rank)
         return full[self.plan(x.device).order].movedim(0, dim)
+
+
+@dataclass
+class HostPacked(PackedSeqParams):
+    """megatron's THD metadata plus each packed sequence's padded length on the host: a layer
+    that walks the sequences one by one (a Gated DeltaNet layer) reads their bounds without a
+    device read."""
+
+    padded: tuple[int, ...] = ()
+
+    def bounds(self) -> list[int]:
+        """[0, end of sequence 1, ...] of the padded sequences."""
+        return [0, *itertools.accumulate(self.padded)]
 
 
 @dataclass
