@@ -150,7 +150,7 @@ def bench_kernel(cfg: Any, tokens: int, steps: int) -> dict[str, Any]:
     def step(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
         return lambda: fn().float().square().mean().backward()
 
-    ours = measured(lambda: {"s": timed(step(lambda: rule.rows(q, k, v, g, beta)), steps)})
+    ours = measured(lambda: {"s": timed(step(lambda: rule(q, k, v, g, beta, None)), steps)})
     ref = measured(
         lambda: {
             "s": timed(

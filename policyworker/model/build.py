@@ -52,6 +52,7 @@ from policyworker.model.grouped_experts import GroupedExperts, GroupedMoELayer
 from policyworker.model.hf_config import LatentShape, ModelShape, MoEShape
 from policyworker.model.latent import DuplicatedLinear, LatentNorm
 from policyworker.model.linear_attention import GatedDeltaNet
+from policyworker.model.lora import ADAPTER
 from policyworker.model.norm import RMSNorm, ZeroCenteredRMSNorm
 from policyworker.model.paths import ForwardPaths
 from policyworker.model.rope_scaling import rope_frequencies
@@ -330,7 +331,7 @@ def global_named_weights(model: GPTModel) -> dict[str, torch.Tensor]:
     expert bias (`mlp.router.expert_bias`, fp32; set from the checkpoint, moved by its own
     update rule, never by the optimizer)."""
     out: dict[str, torch.Tensor] = {
-        n: p for n, p in global_named_parameters(model).items() if ".adapter." not in n
+        n: p for n, p in global_named_parameters(model).items() if ADAPTER not in n
     }  # LoRA's adapters are not the model's weights (`model/lora.py`)
     for layer in model.decoder.layers:
         if isinstance(layer.mlp, MoELayer) and layer.mlp.router.expert_bias is not None:

@@ -226,9 +226,7 @@ class Whole:
         ends = bounds or [0, qkv.shape[1]]
         runs = [layer.conv(qkv[:, a:z]) if z > a else qkv[:, a:z] for a, z in pairwise(ends)]
         q, k, v = layer.heads(torch.cat([*runs, qkv[:, ends[-1] :]], dim=1))
-        if bounds is None:
-            return self.rule.rows(q, k, v, g, beta)
-        return self.rule.packed(q, k, v, g, beta, bounds)
+        return self.rule(q, k, v, g, beta, bounds)
 
 
 class StateCache:

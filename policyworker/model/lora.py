@@ -66,7 +66,7 @@ class LoraAdapter(torch.nn.Module):
 
 
 class Adapters:
-    """Every adapter of a model (by its layer's global name) and whether they are on."""
+    """Whether a model's adapters are on (each adapter's hook reads it), and their scale."""
 
     def __init__(self, scale: float) -> None:
         self.on = True
@@ -87,15 +87,20 @@ class Adapters:
         """`weights` (the base's, by global name) with W + s · B A in place of each adapted
         weight, computed when read; `params`: every parameter by global name (the adapters'
         too)."""
-        pairs = {
-            name.removesuffix(f"{ADAPTER}lora_A") + ".weight": (
-                params[name],
-                params[name.removesuffix("lora_A") + "lora_B"],
-            )
-            for name in params
-            if name.endswith(f"{ADAPTER}lora_A")
-        }
-        return _Merged(weights, pairs, self.scale)
+        return _Merged(weights, _pairs(params), self.scale)
+
+
+def _pairs(params: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each adapted weight's global name -> its adapter's (A, B), from every parameter by
+    global name."""
+    return {
+        name.removesuffix(f"{ADAPTER}lora_A") + ".weight": (
+            params[name],
+            params[name.removesuffix("lora_A") + "lora_B"],
+        )
+        for name in params
+        if name.endswith(f"{ADAPTER}lora_A")
+    }
 
 
 class _Merged(Mapping[str, torch.Tensor]):
@@ -188,12 +193,9 @@ def peft_tensors(params: dict[str, torch.Tensor], shape: ModelShape) -> dict[str
     layer's A for each HF layer it holds, and B cut as the layer's weight is (q/k/v, gate/up)."""
     table = {m.mcore: m for m in mappings(shape)}
     out: dict[str, torch.Tensor] = {}
-    for name, a in params.items():
-        if not name.endswith(f"{ADAPTER}lora_A"):
-            continue
-        m = table[name.removesuffix(f"{ADAPTER}lora_A") + ".weight"]
-        b = params[name.removesuffix("lora_A") + "lora_B"].detach()
-        for hf, rows in zip(m.hf, m.to_hf(b, shape), strict=True):
+    for weight, (a, b) in _pairs(params).items():
+        m = table[weight]
+        for hf, rows in zip(m.hf, m.to_hf(b.detach(), shape), strict=True):
             at = "base_model.model." + hf.removesuffix(".weight")
             out[f"{at}.lora_A.weight"] = a.detach().clone()
             out[f"{at}.lora_B.weight"] = rows.contiguous()

@@ -133,42 +133,34 @@ class DeltaRule(Protocol):
     """How a training or scoring forward runs the rule over whole sequences (each from a zero
     state), chosen once for a model (`model/paths.choose_paths`)."""
 
-    def rows(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-    ) -> torch.Tensor:
-        """Each row of [b, t, ...] one sequence."""
-        ...
-
-    def packed(
+    def __call__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        cu_seqlens: list[int],
+        cu_seqlens: list[int] | None,
     ) -> torch.Tensor:
-        """The sequences packed in one row (`packed`'s contract)."""
+        """Each row of [b, t, ...] one sequence (`cu_seqlens` None), or the sequences packed
+        in one row (`packed`'s contract)."""
         ...
 
 
 class TorchRule:
     """`chunked` and `packed` above: every device, fp32 inside (transformers' reference)."""
 
-    def rows(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-    ) -> torch.Tensor:
-        return chunked(q, k, v, g, beta)[0]
-
-    def packed(
+    def __call__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        cu_seqlens: list[int],
+        cu_seqlens: list[int] | None,
     ) -> torch.Tensor:
+        if cu_seqlens is None:
+            return chunked(q, k, v, g, beta)[0]
         return packed(q, k, v, g, beta, cu_seqlens)
 
 
@@ -182,20 +174,17 @@ class FlaRule:
 
         self.kernel = chunk_gated_delta_rule
 
-    def rows(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-    ) -> torch.Tensor:
-        return self.kernel(q, k, v, g.float(), beta, use_qk_l2norm_in_kernel=True)[0]
-
-    def packed(
+    def __call__(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         g: torch.Tensor,
         beta: torch.Tensor,
-        cu_seqlens: list[int],
+        cu_seqlens: list[int] | None,
     ) -> torch.Tensor:
+        if cu_seqlens is None:
+            return self.kernel(q, k, v, g.float(), beta, use_qk_l2norm_in_kernel=True)[0]
         t, end = q.shape[1], cu_seqlens[-1]
         bounds = torch.tensor([*cu_seqlens, t] if end < t else cu_seqlens, device=q.device)
         out = self.kernel(
